@@ -1,0 +1,18 @@
+"""kvram: train TensorFlow/Keras models that would not otherwise fit in GPU memory."""
+
+import os as _os
+
+_os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from kvram import layers, memory, precision  # noqa: E402
+from kvram.model import Model  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Model",
+    "layers",
+    "memory",
+    "precision",
+    "__version__",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from kvram.cli import main
+
+sys.exit(main())

@@ -1,0 +1,7 @@
+"""kvram layers."""
+
+from kvram.layers.checkpoint import Checkpoint
+
+__all__ = [
+    "Checkpoint",
+]

@@ -1,0 +1,205 @@
+"""Device memory: TensorFlow allocator statistics and NVML, on CPU and GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import time
+from typing import Iterator
+
+import tensorflow as tf
+
+__all__ = [
+    "peak_bytes",
+    "current_bytes",
+    "reset_peak",
+    "track",
+    "Tracked",
+    "MemoryMonitor",
+]
+
+_DEVICE = re.compile(r"^(?:/?(?:device:)?)?(CPU|GPU)(?::(\d+))?$", re.IGNORECASE)
+
+
+def _device_name(device: str | None) -> str:
+    """'gpu', '/GPU:1', '/device:CPU:0' -> 'GPU:0', 'GPU:1', 'CPU:0'. None: GPU:0 if any."""
+    if device is None:
+        return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    if not isinstance(device, str):
+        raise TypeError(
+            f"`device` must be a string like 'GPU:0' or 'CPU:0'. Received: device={device!r}"
+        )
+    match = _DEVICE.match(device.strip())
+    if not match:
+        raise ValueError(
+            "`device` must name a CPU or GPU, like 'GPU:0', '/GPU:1' or 'CPU:0'. "
+            f"Received: device={device!r}"
+        )
+    return f"{match.group(1).upper()}:{match.group(2) or 0}"
+
+
+def _info(device: str | None) -> dict:
+    name = _device_name(device)
+    try:
+        return tf.config.experimental.get_memory_info(name)
+    except ValueError as error:
+        available = [d.name for d in tf.config.list_logical_devices()]
+        raise ValueError(
+            f"No memory statistics for device {name!r}: {error}. Devices: {available}. "
+            f"Received: device={device!r}"
+        ) from None
+
+
+def peak_bytes(device: str | None = None) -> int:
+    """Peak bytes held by TensorFlow's allocator on `device` since the last reset.
+
+    Args:
+        device: "GPU:0", "CPU:0", ...; default GPU:0 when a GPU is visible, else CPU:0.
+    """
+    return int(_info(device)["peak"])
+
+
+def current_bytes(device: str | None = None) -> int:
+    """Bytes held by TensorFlow's allocator on `device` now."""
+    return int(_info(device)["current"])
+
+
+def reset_peak(device: str | None = None) -> None:
+    """Resets the peak of `device` to its current use, to measure the next block."""
+    tf.config.experimental.reset_memory_stats(_device_name(device))
+
+
+@dataclasses.dataclass
+class Tracked:
+    """What `track` measured for one block of code (bytes and seconds)."""
+
+    name: str
+    device: str
+    start_bytes: int = 0
+    end_bytes: int = 0
+    peak_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def delta_bytes(self) -> int:
+        """Bytes still held after the block that were not held before it."""
+        return self.end_bytes - self.start_bytes
+
+    @property
+    def peak_over_start_bytes(self) -> int:
+        """How far above its starting use the block pushed the allocator."""
+        return self.peak_bytes - self.start_bytes
+
+    def __str__(self) -> str:
+        mib = 2.0**20
+        return (
+            f"{self.name} on {self.device}: peak {self.peak_bytes / mib:.1f} MiB "
+            f"(+{self.peak_over_start_bytes / mib:.1f} MiB), "
+            f"delta {self.delta_bytes / mib:+.1f} MiB, {self.seconds:.3f} s"
+        )
+
+
+@contextlib.contextmanager
+def track(name: str, device: str | None = None) -> Iterator[Tracked]:
+    """Measures the allocated delta, the peak and the wall time of a block of code.
+
+    The device's peak is reset on entry. Device work is asynchronous: the block
+    should end with a value read back (`.numpy()`, a finished `fit`) so that its
+    work is done when the clock stops.
+
+    Example:
+    ```python
+    with kvram.memory.track("step") as t:
+        model.train_on_batch(x, y)
+    print(t.peak_bytes, t.delta_bytes, t.seconds)
+    ```
+    """
+    record = Tracked(name=name, device=_device_name(device))
+    reset_peak(record.device)
+    record.start_bytes = current_bytes(record.device)
+    start = time.perf_counter()
+    try:
+        yield record
+    finally:
+        record.seconds = time.perf_counter() - start
+        record.end_bytes = current_bytes(record.device)
+        record.peak_bytes = peak_bytes(record.device)
+
+
+class MemoryMonitor:
+    """Reads a device's memory from TensorFlow's allocator and, for GPUs, from NVML.
+
+    TensorFlow's numbers count what its allocator hands out; NVML's count the whole
+    device (other processes, the CUDA context, TF's reserved pool). NVML comes from
+    `nvidia-ml-py`, imported on first use; without it, or without an NVIDIA driver,
+    the NVML fields are None and `nvml_note` says why.
+
+    Args:
+        device: "GPU:0", "CPU:0", ...; default GPU:0 when a GPU is visible, else CPU:0.
+
+    Example:
+    ```python
+    monitor = kvram.memory.MemoryMonitor("GPU:0")
+    print(monitor.snapshot())   # {'device': 'GPU:0', 'tf_current_bytes': ..., 'nvml_free_bytes': ...}
+    ```
+    """
+
+    def __init__(self, device: str | None = None):
+        self.device = _device_name(device)
+        self.nvml_note: str | None = None
+        self._handle = None
+        if self.device.startswith("GPU"):
+            self._handle = self._nvml_handle(int(self.device.split(":")[1]))
+        else:
+            self.nvml_note = "NVML reports GPUs only; CPU figures come from TensorFlow"
+
+    def _nvml_handle(self, index: int):
+        try:
+            import pynvml
+        except ImportError:
+            self.nvml_note = (
+                "NVML unavailable: nvidia-ml-py is not installed "
+                "(pip install nvidia-ml-py); device totals are not shown"
+            )
+            return None
+        try:
+            pynvml.nvmlInit()
+            return pynvml.nvmlDeviceGetHandleByIndex(_physical_gpu_index(index))
+        except pynvml.NVMLError as error:
+            self.nvml_note = f"NVML unavailable: {error}; device totals are not shown"
+            return None
+
+    @property
+    def nvml_available(self) -> bool:
+        return self._handle is not None
+
+    def snapshot(self) -> dict:
+        """Current and peak TF allocator bytes, and NVML total/free/used bytes."""
+        info = _info(self.device)
+        record = {
+            "device": self.device,
+            "tf_current_bytes": int(info["current"]),
+            "tf_peak_bytes": int(info["peak"]),
+            "nvml_total_bytes": None,
+            "nvml_free_bytes": None,
+            "nvml_used_bytes": None,
+        }
+        if self._handle is not None:
+            import pynvml
+
+            mem = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
+            record.update(
+                nvml_total_bytes=int(mem.total),
+                nvml_free_bytes=int(mem.free),
+                nvml_used_bytes=int(mem.used),
+            )
+        return record
+
+
+def _physical_gpu_index(logical_index: int) -> int:
+    """NVML numbers physical GPUs; logical GPUs split from one map to that one."""
+    physical = tf.config.list_physical_devices("GPU")
+    if len(physical) <= 1:
+        return 0
+    return min(logical_index, len(physical) - 1)

@@ -1,0 +1,247 @@
+"""`kvram.Model`: a Keras model whose training step adds loss scaling, gradient
+accumulation, clipping and a guard against non-finite gradients."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import tree
+from keras.src.losses import loss as loss_module
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from kvram import _checks
+
+__all__ = ["Model"]
+
+_KVRAM_ARGS = ("accumulation_steps", "clip_global_norm", "skip_nonfinite")
+
+
+@keras.saving.register_keras_serializable(package="kvram")
+class Model(keras.Model):
+    """A `keras.Model` with a memory-aware, guarded training step (TensorFlow backend).
+
+    Use it like `keras.Model`: subclass it, or build it functionally with
+    `kvram.Model(inputs, outputs)`. Its `train_step` is Keras's own
+    (`TensorFlowTrainer.train_step`) plus:
+
+    - Loss scaling: the loss goes through `optimizer.scale_loss` and the
+      gradients through `optimizer.apply`, so under `mixed_float16` Keras's
+      `LossScaleOptimizer` (put in place by `compile()`) scales and unscales.
+    - `accumulation_steps=N`: weights are updated every N batches with the mean of
+      their gradients, so N batches of b train like one batch of N*b at the memory
+      of b. This is the optimizer's own `gradient_accumulation_steps`, set on the
+      inner optimizer when a `LossScaleOptimizer` wraps it. A skipped step does not
+      count towards the N.
+    - `clip_global_norm`: the (accumulated, unscaled) gradient is clipped to this
+      global norm, through the optimizer's own `global_clipnorm`.
+    - `skip_nonfinite=True`: a step whose gradients are not all finite changes no
+      weight and no optimizer variable, and is counted in the `skipped_steps` log
+      entry (a running total). Under `mixed_float16` the `LossScaleOptimizer`
+      does the skip itself and halves its loss scale, the one optimizer variable
+      that must change for dynamic loss scaling to work; the skip is counted the
+      same way.
+
+    Args:
+        *args: `inputs, outputs` for a functional model, or nothing for a subclass.
+        accumulation_steps: int >= 1, batches per weight update.
+        clip_global_norm: None or float > 0, maximum global gradient norm.
+        skip_nonfinite: bool, skip steps with NaN/Inf gradients.
+        **kwargs: `keras.Model` arguments (`name`, ...).
+
+    Raises:
+        TypeError, ValueError: for arguments of the wrong type or value.
+
+    Example:
+    ```python
+    model = kvram.Model(inputs, outputs, accumulation_steps=4, clip_global_norm=1.0)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(dataset, epochs=3)
+    ```
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            return super().__new__(_functional_class(cls))
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        *args,
+        accumulation_steps: int = 1,
+        clip_global_norm: float | None = None,
+        skip_nonfinite: bool = True,
+        **kwargs,
+    ):
+        self.accumulation_steps = _checks.positive_int("accumulation_steps", accumulation_steps)
+        self.clip_global_norm = _checks.positive_float(
+            "clip_global_norm", clip_global_norm, allow_none=True
+        )
+        self.skip_nonfinite = _checks.boolean("skip_nonfinite", skip_nonfinite)
+        super().__init__(*args, **kwargs)
+        from kvram import precision
+
+        self._built_under_policy = precision.current_policy()
+        with tf.init_scope():
+            self._skipped = tf.Variable(
+                0,
+                dtype=tf.int64,
+                trainable=False,
+                name="kvram_skipped_steps",
+                synchronization=tf.VariableSynchronization.ON_WRITE,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+
+    @property
+    def skipped_steps(self) -> int:
+        """Training steps skipped so far because their gradients were not finite."""
+        return int(self._skipped.numpy())
+
+    @property
+    def inner_optimizer(self):
+        """The optimizer that updates the weights (inside a `LossScaleOptimizer` if any)."""
+        optimizer = getattr(self, "optimizer", None)
+        return getattr(optimizer, "inner_optimizer", optimizer)
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        from kvram import precision
+
+        precision.check_model_policy(self)
+        super().compile(optimizer, *args, **kwargs)
+        inner = self.inner_optimizer
+        if inner is None:
+            return
+        if self.accumulation_steps > 1:
+            current = inner.gradient_accumulation_steps
+            if current not in (None, 1, self.accumulation_steps):
+                raise ValueError(
+                    f"The optimizer already accumulates gradients over {current} steps "
+                    f"but kvram.Model was given accumulation_steps={self.accumulation_steps}. "
+                    "Set one of them, not both."
+                )
+            if inner.built and current != self.accumulation_steps:
+                raise ValueError(
+                    "The optimizer is already built, so it cannot start accumulating "
+                    "gradients. Pass a new optimizer (or its name) to compile(). "
+                    f"Received: optimizer={inner.name!r} (built)"
+                )
+            inner.gradient_accumulation_steps = self.accumulation_steps
+        if self.clip_global_norm is not None:
+            if inner.clipnorm is not None or inner.clipvalue is not None or (
+                inner.global_clipnorm not in (None, self.clip_global_norm)
+            ):
+                raise ValueError(
+                    "The optimizer already clips gradients (clipnorm="
+                    f"{inner.clipnorm}, clipvalue={inner.clipvalue}, global_clipnorm="
+                    f"{inner.global_clipnorm}) and kvram.Model was given clip_global_norm="
+                    f"{self.clip_global_norm}. Set one of them, not both."
+                )
+            inner.global_clipnorm = self.clip_global_norm
+
+    def fit(self, x=None, *args, **kwargs):
+        if self.accumulation_steps > 1 and _has_unknown_cardinality(x):
+            warnings.warn(
+                f"accumulation_steps={self.accumulation_steps} with a dataset of unknown "
+                "cardinality: Keras then runs one extra, empty step per epoch that "
+                "advances `optimizer.iterations`, which shifts the accumulation windows "
+                "(a known Keras pitfall). Give the dataset a known size "
+                "(`dataset.apply(tf.data.experimental.assert_cardinality(n))`) or pass "
+                "`steps_per_epoch`.",
+                stacklevel=2,
+            )
+        return super().fit(x, *args, **kwargs)
+
+    def train_step(self, data):
+        # Keras's TensorFlowTrainer.train_step, with the gradient handling below.
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            self._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
+            )
+            if self.optimizer is not None:
+                loss = self.optimizer.scale_loss(loss)
+        if self.trainable_weights:
+            trainable_weights = self.trainable_weights
+            gradients = tape.gradient(loss, trainable_weights)
+            self._apply_gradients(gradients, trainable_weights)
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs["skipped_steps"] = self._skipped.value()
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            logs["loss_scale"] = self.optimizer.dynamic_scale.value
+        return logs
+
+    def _apply_gradients(self, gradients, trainable_weights):
+        finite = all_finite(gradients)
+        self._skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) or not (
+            self.skip_nonfinite
+        ):
+            # LossScaleOptimizer checks finiteness itself, skips and lowers the scale.
+            self.optimizer.apply(gradients, trainable_weights)
+            return
+        if not self.optimizer.built:
+            self.optimizer.build(trainable_weights)
+        tf.cond(
+            finite,
+            lambda: self.optimizer.apply(gradients, trainable_weights),
+            lambda: None,
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        if isinstance(self, Functional):
+            config.update({name: getattr(self, name) for name in _KVRAM_ARGS})
+        return config
+
+
+def all_finite(gradients) -> tf.Tensor:
+    """A boolean scalar: True when every gradient entry is finite (None ignored)."""
+    checks = [
+        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+        for g in gradients
+        if g is not None
+    ]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+
+
+_FUNCTIONAL_CLASSES: dict[type, type] = {}
+
+
+def _functional_class(cls: type) -> type:
+    """`cls` with Keras's `Functional` mixed in, for `cls(inputs, outputs)`.
+
+    Keras itself rewrites the bases of a subclass called with `inputs, outputs`
+    (`inject_functional_model_class`), which would turn `kvram.Model` into a
+    functional class for every later subclass too; a derived class leaves it alone.
+    """
+    if cls not in _FUNCTIONAL_CLASSES:
+        if cls is Model:
+            derived = FunctionalModel
+        else:
+            derived = type(cls.__name__, (cls, Functional), {"__module__": cls.__module__})
+        _FUNCTIONAL_CLASSES[cls] = derived
+    return _FUNCTIONAL_CLASSES[cls]
+
+
+@keras.saving.register_keras_serializable(package="kvram")
+class FunctionalModel(Model, Functional):
+    """What `kvram.Model(inputs, outputs)` returns: a functional `kvram.Model`."""
+
+
+def _has_unknown_cardinality(x) -> bool:
+    if isinstance(x, tf.data.Dataset):
+        return int(x.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+    return False
