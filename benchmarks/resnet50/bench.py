@@ -1,0 +1,206 @@
+"""ResNet50 training on one GPU: plain Keras vs kvram vs PyTorch, in one run.
+
+Each configuration runs in its own process (clean allocator statistics), on
+synthetic data resident on the GPU, with SGD(momentum=0.9), and reports images/s
+over timed steps after warm-up and the peak GPU memory allocated by the framework
+during those steps (TF: `get_memory_info(...)["peak"]`; PyTorch:
+`torch.cuda.max_memory_allocated()`; both include weights, gradients and
+optimizer state).
+
+    python benchmarks/resnet50/bench.py --out results.json            # all configs
+    python benchmarks/resnet50/bench.py --only kvram_bf16_ckpt         # one config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+# name: (framework, settings)
+CONFIGS = {
+    "keras_fp32": ("tf", dict(policy="float32", model="keras", jit=True)),
+    "keras_mixed_float16": ("tf", dict(policy="mixed_float16", model="keras", jit=True)),
+    "keras_mixed_bfloat16": ("tf", dict(policy="mixed_bfloat16", model="keras", jit=True)),
+    "kvram_fp16_ckpt": ("tf", dict(policy="mixed_float16", model="kvram", jit=True)),
+    "kvram_bf16_ckpt": ("tf", dict(policy="mixed_bfloat16", model="kvram", jit=True)),
+    "kvram_bf16_ckpt_nojit": ("tf", dict(policy="mixed_bfloat16", model="kvram", jit=False)),
+    "torch_fp16": ("torch", dict(segments=0)),
+    "torch_fp16_ckpt4": ("torch", dict(segments=4)),
+}
+
+
+def run_tf(settings, batch, steps, warmup):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+    import tensorflow as tf
+
+    sys.path.insert(0, ROOT)
+    import kvram
+
+    kvram.precision.enable(settings["policy"])
+    device = os.environ.get("BENCH_DEVICE", "GPU:0")
+    with tf.device(device):
+        if settings["model"] == "keras":
+            model = keras.applications.ResNet50(weights=None)
+        else:
+            from models.resnet50 import resnet50
+
+            model = resnet50(checkpoint=True)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss="sparse_categorical_crossentropy",
+            jit_compile=settings["jit"],
+        )
+        x = tf.random.uniform((batch, 224, 224, 3))
+        y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+
+    times = {}
+
+    class Clock(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            times["start"] = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            times["loss"] = float(logs["loss"])  # waits for the last step
+            times["end"] = time.perf_counter()
+
+    model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0, callbacks=[Clock()])
+    tf.config.experimental.reset_memory_stats(device)
+    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
+    peak = tf.config.experimental.get_memory_info(device)["peak"]
+    seconds = times["end"] - times["start"]
+    return {
+        "framework": f"tensorflow {tf.__version__}, keras {keras.__version__}",
+        "settings": settings,
+        "img_per_s": batch * steps / seconds,
+        "peak_gib": peak / 2**30,
+        "final_loss": times["loss"],
+        "skipped_steps": getattr(model, "skipped_steps", None),
+    }
+
+
+def run_torch(settings, batch, steps, warmup):
+    import torch
+    import torchvision
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    torch.backends.cudnn.benchmark = True
+    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    seq = torch.nn.Sequential(
+        model.conv1, model.bn1, model.relu, model.maxpool,
+        model.layer1, model.layer2, model.layer3, model.layer4,
+        model.avgpool, torch.nn.Flatten(), model.fc,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.rand(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    segments = settings["segments"]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            if segments:
+                out = checkpoint_sequential(seq, segments, x, use_reentrant=False)
+            else:
+                out = seq(x)
+            loss = loss_fn(out.float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    final = float(loss)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {
+        "framework": f"torch {torch.__version__}, torchvision {torchvision.__version__}",
+        "settings": settings,
+        "img_per_s": batch * steps / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "final_loss": final,
+    }
+
+
+def gpu_name():
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        )
+        return out.stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        framework, settings = CONFIGS[args.child]
+        runner = run_tf if framework == "tf" else run_torch
+        print("RESULT " + json.dumps(runner(settings, args.batch, args.steps, args.warmup)))
+        return
+
+    names = args.only or list(CONFIGS)
+    results = {}
+    for name in names:
+        started = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", name, "--batch", str(args.batch),
+             "--steps", str(args.steps), "--warmup", str(args.warmup)],
+            capture_output=True, text=True,
+        )
+        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not line:
+            results[name] = {"error": (proc.stderr or proc.stdout)[-3000:]}
+        else:
+            results[name] = json.loads(line[-1][len("RESULT "):])
+        results[name]["wall_s"] = time.perf_counter() - started
+        r = results[name]
+        if "error" in r:
+            print(f"{name:24} FAILED: {r['error'][-400:]}", flush=True)
+        else:
+            print(f"{name:24} {r['img_per_s']:8.0f} img/s  {r['peak_gib']:6.2f} GiB  "
+                  f"loss {r['final_loss']:.3f}  ({r['wall_s']:.0f} s)", flush=True)
+    report = {
+        "benchmark": "resnet50-train",
+        "gpu": gpu_name(),
+        "python": platform.python_version(),
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "command": "python " + " ".join(sys.argv),
+        "results": results,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
