@@ -47,21 +47,35 @@ def _stem(input_shape):
     return keras.Model(inputs, x, name="stem")
 
 
+ALL = ("stem", 2, 3, 4, 5)
+
+
 def resnet50(
-    input_shape=(224, 224, 3), classes: int = 1000, checkpoint: bool = True
+    input_shape=(224, 224, 3), classes: int = 1000, checkpoint=ALL
 ) -> keras.Model:
-    """ResNet50 as a `kvram.Model`; with `checkpoint`, the stem and all 16 blocks
-    are `kvram.layers.Checkpoint`s (only block inputs are kept for the backward)."""
-    wrap = kvram.layers.Checkpoint if checkpoint else (lambda block: block)
+    """ResNet50 as a `kvram.Model`.
+
+    Args:
+        checkpoint: which parts are `kvram.layers.Checkpoint`s (only their inputs
+            are kept for the backward pass): any of "stem" and the stage numbers
+            2..5 (conv2_x .. conv5_x); True for all, False or () for none. Early
+            stages hold most activation memory for the same FLOPs, so ("stem", 2, 3)
+            saves most of the memory at about half the recomputation.
+    """
+    parts = ALL if checkpoint is True else tuple(checkpoint or ())
+
+    def wrap(block, part):
+        return kvram.layers.Checkpoint(block) if part in parts else block
+
     inputs = keras.Input(input_shape)
-    x = wrap(_stem(input_shape))(inputs)
+    x = wrap(_stem(input_shape), "stem")(inputs)
     for stage, (filters, blocks, stride) in enumerate(STAGES, start=2):
         for i in range(1, blocks + 1):
             block = _bottleneck(
                 tuple(x.shape[1:]), filters, stride if i == 1 else 1, i == 1,
                 name=f"conv{stage}_block{i}",
             )
-            x = wrap(block)(x)
+            x = wrap(block, stage)(x)
     x = layers.GlobalAveragePooling2D(name="avg_pool")(x)
     outputs = layers.Dense(classes, activation="softmax", dtype="float32", name="predictions")(x)
     return kvram.Model(inputs, outputs, name="resnet50")

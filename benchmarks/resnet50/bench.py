@@ -31,6 +31,12 @@ CONFIGS = {
     "keras_mixed_bfloat16": ("tf", dict(policy="mixed_bfloat16", model="keras", jit=True)),
     "kvram_fp16_ckpt": ("tf", dict(policy="mixed_float16", model="kvram", jit=True)),
     "kvram_bf16_ckpt": ("tf", dict(policy="mixed_bfloat16", model="kvram", jit=True)),
+    "kvram_bf16_ckpt_early": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=["stem", 2, 3])
+    ),
+    "kvram_bf16_ckpt_stem2": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=["stem", 2])
+    ),
     "kvram_bf16_ckpt_nojit": ("tf", dict(policy="mixed_bfloat16", model="kvram", jit=False)),
     "torch_fp16": ("torch", dict(segments=0)),
     "torch_fp16_ckpt4": ("torch", dict(segments=4)),
@@ -53,7 +59,7 @@ def run_tf(settings, batch, steps, warmup):
         else:
             from models.resnet50 import resnet50
 
-            model = resnet50(checkpoint=True)
+            model = resnet50(checkpoint=settings.get("ckpt", True))
         model.compile(
             optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
             loss="sparse_categorical_crossentropy",
@@ -106,6 +112,12 @@ def run_torch(settings, batch, steps, warmup):
     x = torch.rand(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device="cuda")
     segments = settings["segments"]
+    if segments:
+        # torchvision's in-place ReLUs overwrite tensors that checkpoint_sequential
+        # keeps as segment inputs; autograd refuses that, so they go out of place.
+        for module in model.modules():
+            if isinstance(module, torch.nn.ReLU):
+                module.inplace = False
 
     def step():
         opt.zero_grad(set_to_none=True)
