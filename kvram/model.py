@@ -141,6 +141,14 @@ class Model(keras.Model):
                 )
             inner.global_clipnorm = self.clip_global_norm
 
+    def compile_from_config(self, config):
+        # Keras skips compile() on load for models that override it; kvram's
+        # compile() only adds checks and settings, so the saved config is replayed.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def fit(self, x=None, *args, **kwargs):
         if self.accumulation_steps > 1 and _has_unknown_cardinality(x):
             warnings.warn(

@@ -87,14 +87,15 @@ class Checkpoint(keras.layers.Layer):
         self._convert_input_args = False
         self.supports_masking = getattr(layer, "supports_masking", False)
 
-    def build(self, *args, **kwargs):
+    def build(self, input_shape=None):
         if not self.layer.built:
-            self.layer.build(*args, **kwargs)
+            self.layer.build(input_shape)
         self.built = True
 
-    def call(self, *args, training=None, **kwargs):
+    def call(self, inputs, *args, training=None, **kwargs):
         if getattr(self.layer, "_call_has_training_arg", False):
             kwargs["training"] = training
+        args = (inputs,) + args
         if not training:
             return self.layer(*args, **kwargs)
 

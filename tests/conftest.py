@@ -1,0 +1,27 @@
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras():
+    """Every test starts with float32, a clear session and fixed seeds."""
+    keras.config.set_dtype_policy("float32")
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(1234)
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    for item in items:
+        if "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a GPU"))
+        if "multi_gpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two GPUs"))

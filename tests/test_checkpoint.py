@@ -1,0 +1,156 @@
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from kvram.layers import Checkpoint
+from tests.helpers import max_rel_diff, values
+
+TOL = 1e-5
+
+
+def make_block(width=16, dropout=0.3, batchnorm=False):
+    layers = [keras.layers.Dense(32, activation="gelu"), keras.layers.Dropout(dropout)]
+    if batchnorm:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.Dense(width))
+    block = keras.Sequential(layers)
+    block.build((None, width))
+    return block
+
+
+def grads_and_state(layer, block, x, seed_state):
+    block.non_trainable_variables[0].assign(seed_state)  # same dropout masks for both runs
+    with tf.GradientTape() as tape:
+        y = layer(x, training=True)
+        loss = tf.reduce_sum(y * y)
+    grads = tape.gradient(loss, block.trainable_variables)
+    return loss, grads, [tf.identity(v.value) for v in block.non_trainable_variables]
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf.function", "jit_compile"])
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_gradients_equal_plain_with_dropout(mode, batchnorm):
+    block = make_block(batchnorm=batchnorm)
+    wrapped = Checkpoint(block)
+    x = tf.random.normal((8, 16))
+    seed = tf.identity(block.non_trainable_variables[0].value)
+
+    def run(layer):
+        fn = lambda: grads_and_state(layer, block, x, seed)  # noqa: E731
+        if mode == "tf.function":
+            fn = tf.function(fn)
+        elif mode == "jit_compile":
+            fn = tf.function(fn, jit_compile=True)
+        out = fn()
+        if batchnorm:  # restore moving statistics for the next run
+            for v in block.non_trainable_variables[1:]:
+                v.assign(tf.zeros_like(v) if "mean" in v.path else tf.ones_like(v))
+        return out
+
+    plain_loss, plain_grads, plain_state = run(block)
+    ckpt_loss, ckpt_grads, ckpt_state = run(wrapped)
+    # Dropout is active: the plain loss differs from the inference loss.
+    assert float(plain_loss) != pytest.approx(float(tf.reduce_sum(block(x) ** 2)))
+    assert float(ckpt_loss) == pytest.approx(float(plain_loss), rel=TOL)
+    assert max_rel_diff(plain_grads, ckpt_grads) <= TOL
+    # Seed state and (with BatchNorm) moving statistics end where the plain run left
+    # them: the recomputation replays the forward pass's updates, it does not add to them.
+    for a, b in zip(plain_state, ckpt_state):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=TOL, atol=0)
+
+
+def test_inference_calls_layer_directly():
+    block = make_block()
+    wrapped = Checkpoint(block)
+    x = tf.random.normal((4, 16))
+    np.testing.assert_array_equal(wrapped(x, training=False).numpy(), block(x).numpy())
+    np.testing.assert_array_equal(wrapped(x).numpy(), block(x).numpy())
+
+
+def test_rejects_non_layer():
+    with pytest.raises(TypeError, match=r"must be a keras.layers.Layer.*Received: layer=.*function"):
+        Checkpoint(lambda x: x)
+    with pytest.raises(TypeError, match=r"Received: layer=3 of type int"):
+        Checkpoint(3)
+
+
+def test_rejects_double_wrap():
+    with pytest.raises(ValueError, match="already a kvram.layers.Checkpoint"):
+        Checkpoint(Checkpoint(make_block()))
+
+
+def test_config_round_trip():
+    wrapped = Checkpoint(make_block(), name="ck")
+    clone = Checkpoint.from_config(wrapped.get_config())
+    assert isinstance(clone, Checkpoint)
+    assert isinstance(clone.layer, keras.Sequential)
+    assert clone.name == "ck"
+    assert [type(l) for l in clone.layer.layers] == [type(l) for l in wrapped.layer.layers]
+
+
+def _stack(checkpoint, blocks=12, width=128, expansion=8):
+    inputs = keras.Input((width,))
+    x = inputs
+    for i in range(blocks):
+        bi = keras.Input((width,))
+        h = keras.layers.Dense(width * expansion, activation="gelu")(bi)
+        h = keras.layers.Dense(width * expansion, activation="gelu")(h)
+        h = keras.layers.Dense(width)(h)
+        block = keras.Model(bi, keras.layers.Add()([bi, h]), name=f"b{i}")
+        x = (Checkpoint(block) if checkpoint else block)(x)
+    return keras.Model(inputs, x)
+
+
+def _step_peak(checkpoint):
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    with tf.device("CPU:0"):
+        model = _stack(checkpoint)
+        x = tf.random.normal((2048, 128))
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x, training=True) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            for v, g in zip(model.trainable_variables, grads):
+                v.assign_sub(1e-4 * g)
+            return loss
+
+        step.get_concrete_function()  # trace outside the measurement
+        kvram.memory.reset_peak("CPU:0")
+        start = kvram.memory.current_bytes("CPU:0")
+        float(step())
+        return kvram.memory.peak_bytes("CPU:0") - start
+
+
+def test_peak_memory_of_checkpointed_stack():
+    plain = _step_peak(checkpoint=False)
+    ckpt = _step_peak(checkpoint=True)
+    print(f"peak step memory: plain {plain / 2**20:.1f} MiB, checkpointed {ckpt / 2**20:.1f} MiB")
+    assert ckpt <= 0.35 * plain, (plain, ckpt)
+
+
+def test_fit_with_jit_compile_and_predict():
+    inputs = keras.Input((16,))
+    x = Checkpoint(make_block())(inputs)
+    outputs = keras.layers.Dense(1)(x)
+    model = kvram.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    data = np.random.rand(64, 16).astype("float32"), np.random.rand(64, 1).astype("float32")
+    history = model.fit(*data, batch_size=16, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert model.predict(data[0], verbose=0).shape == (64, 1)
+    assert np.isfinite(model.evaluate(*data, verbose=0))
+
+
+def test_mixed_precision_runs_in_float16():
+    kvram.precision.enable("mixed_float16")
+    block = make_block()
+    wrapped = Checkpoint(block)
+    y = wrapped(tf.random.normal((4, 16)), training=True)
+    assert y.dtype == tf.float16

@@ -1,0 +1,291 @@
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from kvram.layers import Checkpoint
+from tests.helpers import max_rel_diff, values
+
+TOL = 1e-5
+
+
+def mlp(cls=kvram.Model, checkpoint=True, **kwargs):
+    inputs = keras.Input((8,))
+    block = keras.Sequential([keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(8)])
+    x = (Checkpoint(block) if checkpoint else block)(inputs)
+    outputs = keras.layers.Dense(3, dtype="float32")(x)
+    return cls(inputs, outputs, **kwargs)
+
+
+def data(n=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, 8)).astype("float32"), rng.standard_normal((n, 3)).astype("float32")
+
+
+def copy_weights(src, dst):
+    for a, b in zip(src.weights, dst.weights):
+        b.assign(a)
+
+
+def dyadic_model(**kwargs):
+    """A linear model on small dyadic numbers: float16 computes it exactly, so any
+    difference under mixed_float16 is the training step's, not rounding's."""
+    rng = np.random.default_rng(7)
+
+    def init(shape, dtype=None):
+        return rng.integers(-4, 5, size=shape).astype("float32") / 4
+
+    inputs = keras.Input((8,))
+    x = Checkpoint(keras.layers.Dense(4, kernel_initializer=init, bias_initializer="zeros"))(inputs)
+    outputs = keras.layers.Dense(4, kernel_initializer=init, dtype="float32")(x)
+    return kvram.Model(inputs, outputs, **kwargs)
+
+
+# float16 rounds random data differently at different batch sizes, so under
+# mixed_float16 the model computes on dyadic numbers, which float16 holds exactly.
+@pytest.mark.parametrize(
+    "policy, builder",
+    [("float32", "random"), ("float32", "dyadic"), ("mixed_float16", "dyadic")],
+)
+def test_accumulation_equals_one_large_batch(policy, builder):
+    n, b = 4, 8
+    kvram.precision.enable(policy)
+    make = mlp if builder == "random" else dyadic_model
+    big = make(accumulation_steps=1)
+    acc = make(accumulation_steps=n)
+    copy_weights(big, acc)
+
+    def optimizer():
+        sgd = keras.optimizers.SGD(2.0**-6)
+        if policy == "mixed_float16":  # small scale: exact, and no overflow to skip
+            return keras.optimizers.LossScaleOptimizer(sgd, initial_scale=2.0**3)
+        return sgd
+
+    for m in (big, acc):
+        m.compile(optimizer=optimizer(), loss="mse")
+    if builder == "random":
+        x, y = data(n * b)
+    else:
+        rng = np.random.default_rng(3)
+        x = rng.integers(-1, 2, size=(n * b, 8)).astype("float32")
+        y = rng.integers(-2, 3, size=(n * b, 4)).astype("float32")
+    big.fit(x, y, batch_size=n * b, epochs=1, shuffle=False, verbose=0)
+    acc.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    assert acc.skipped_steps == 0
+    if policy == "mixed_float16":
+        assert acc.layers[1].compute_dtype == "float16"
+        assert acc.optimizer.inner_optimizer.gradient_accumulation_steps == n
+    # `iterations` counts weight updates; the optimizer's private counter, batches.
+    assert int(acc.inner_optimizer.iterations.numpy()) == 1
+    assert int(acc.inner_optimizer._iterations.numpy()) == n
+    assert max_rel_diff(values(big.trainable_weights), values(acc.trainable_weights)) <= TOL
+    # And the update really happened (the weights moved from their start).
+    fresh = make(accumulation_steps=1)
+    assert max_rel_diff(values(fresh.trainable_weights), values(acc.trainable_weights)) > 1e-4
+
+
+def test_compile_wraps_loss_scale_optimizer_under_mixed_float16():
+    kvram.precision.enable("mixed_float16")
+    model = mlp(accumulation_steps=2, clip_global_norm=1.0)
+    model.compile(optimizer="sgd", loss="mse")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model.inner_optimizer.gradient_accumulation_steps == 2
+    assert model.inner_optimizer.global_clipnorm == 1.0
+    assert kvram.precision.loss_scale(model) == 2.0**15
+
+
+def test_accumulation_updates_only_every_n_batches():
+    model = mlp(accumulation_steps=3)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = data(16)
+    before = values(model.trainable_weights)
+    model.train_on_batch(x[:8], y[:8])
+    model.train_on_batch(x[8:], y[8:])
+    assert max_rel_diff(before, values(model.trainable_weights)) == 0.0
+    model.train_on_batch(x[:8], y[:8])
+    assert max_rel_diff(before, values(model.trainable_weights)) > 0.0
+
+
+def _all_optimizer_values(model):
+    return values(model.optimizer.variables)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_batch_changes_nothing_and_is_counted(bad):
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    x, y = data(16)
+    model.train_on_batch(x, y)  # optimizer built, slots non-zero
+    weights, slots = values(model.weights), _all_optimizer_values(model)
+    x_bad = x.copy()
+    x_bad[3, 2] = bad
+    logs = model.train_on_batch(x_bad, y, return_dict=True)
+    assert logs["skipped_steps"] == 1
+    assert model.skipped_steps == 1
+    for a, b in zip(weights, values(model.weights)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(slots, _all_optimizer_values(model)):
+        np.testing.assert_array_equal(a, b)
+    model.train_on_batch(x, y)
+    assert model.skipped_steps == 1
+    assert max_rel_diff(weights, values(model.weights)) > 0.0
+
+
+def test_nonfinite_batch_under_loss_scaling():
+    kvram.precision.enable("mixed_float16")
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    x, y = data(16)
+    model.train_on_batch(x, y)
+    scale = kvram.precision.loss_scale(model)
+    weights = values(model.weights)
+    inner = values(model.optimizer.inner_optimizer.variables)
+    x[0, 0] = np.nan
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert logs["skipped_steps"] == 1 and model.skipped_steps == 1
+    for a, b in zip(weights, values(model.weights)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(inner, values(model.optimizer.inner_optimizer.variables)):
+        np.testing.assert_array_equal(a, b)
+    # Dynamic loss scaling halves its scale on a non-finite step: by design.
+    assert kvram.precision.loss_scale(model) == scale / 2
+    assert logs["loss_scale"] == scale / 2
+
+
+def test_skip_nonfinite_false_lets_nan_through():
+    model = mlp(skip_nonfinite=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = data(16)
+    x[0, 0] = np.nan
+    model.train_on_batch(x, y)
+    assert model.skipped_steps == 1  # still counted
+    assert not np.isfinite(values(model.trainable_weights)[0]).all()
+
+
+def test_clip_global_norm_bounds_the_update():
+    model = mlp(clip_global_norm=1e-3)
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+    assert model.inner_optimizer.global_clipnorm == 1e-3
+    x, y = data(16)
+    before = values(model.trainable_weights)
+    model.train_on_batch(x, 1e3 * y)
+    after = values(model.trainable_weights)
+    norm = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(before, after)))
+    assert norm == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_clip_conflict_with_optimizer_clipping():
+    model = mlp(clip_global_norm=1.0)
+    with pytest.raises(ValueError, match=r"already clips gradients \(clipnorm=0.5"):
+        model.compile(optimizer=keras.optimizers.SGD(clipnorm=0.5), loss="mse")
+
+
+def test_metrics_evaluate_predict_as_keras():
+    plain = mlp(cls=keras.Model, checkpoint=False)
+    ours = mlp(checkpoint=True)
+    copy_weights(plain, ours)
+    for m in (plain, ours):
+        m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    x, y = data(64)
+    h1 = plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    h2 = ours.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    assert set(h2) == set(h1) | {"skipped_steps"}
+    for key in h1:
+        np.testing.assert_allclose(h2[key], h1[key], rtol=TOL)
+    e1, e2 = plain.evaluate(x, y, verbose=0), ours.evaluate(x, y, verbose=0)
+    assert len(e1) == len(e2) == 2
+    np.testing.assert_allclose(e2, e1, rtol=TOL)
+    np.testing.assert_allclose(ours.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=TOL)
+
+
+@keras.saving.register_keras_serializable(package="kvram_tests")
+class Net(kvram.Model):
+    def __init__(self, width=8, **kwargs):
+        super().__init__(accumulation_steps=2, **kwargs)
+        self.width = width
+        self.block = Checkpoint(
+            keras.Sequential([keras.layers.Dense(width, activation="relu"), keras.layers.Dropout(0.2)])
+        )
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.head(self.block(x, training=training))
+
+    def get_config(self):
+        return {**super().get_config(), "width": self.width}
+
+
+def test_subclassed_model_trains():
+    model = Net()
+    model.compile(optimizer="adam", loss="mse")
+    x, y = data(32)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert model.inner_optimizer.gradient_accumulation_steps == 2
+
+
+def test_functional_use_leaves_kvram_model_alone():
+    mlp()
+    assert kvram.Model.__bases__ == (keras.Model,)
+    assert type(mlp()).__name__ == "FunctionalModel"
+    assert isinstance(mlp(), kvram.Model)
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_keras_save_load_round_trip(tmp_path, kind):
+    model = mlp(accumulation_steps=2, clip_global_norm=0.5) if kind == "functional" else Net()
+    model.compile(optimizer="adam", loss="mse")
+    x, y = data(32)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, kvram.Model)
+    assert loaded.accumulation_steps == 2
+    if kind == "functional":
+        assert loaded.clip_global_norm == 0.5
+        assert any(isinstance(l, Checkpoint) for l in loaded.layers)
+    else:
+        assert isinstance(loaded.block, Checkpoint)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # trains on after loading
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"accumulation_steps": 0}, ValueError, r"`accumulation_steps` must be an int >= 1. Received: accumulation_steps=0"),
+        ({"accumulation_steps": 2.5}, TypeError, r"Received: accumulation_steps=2.5 of type float"),
+        ({"clip_global_norm": -1.0}, ValueError, r"`clip_global_norm` must be a finite float > 0 or None. Received: clip_global_norm=-1.0"),
+        ({"clip_global_norm": "1"}, TypeError, r"Received: clip_global_norm='1' of type str"),
+        ({"skip_nonfinite": 1}, TypeError, r"`skip_nonfinite` must be True or False. Received: skip_nonfinite=1"),
+    ],
+)
+def test_bad_arguments(kwargs, error, text):
+    with pytest.raises(error, match=text):
+        mlp(**kwargs)
+
+
+def test_unknown_cardinality_warns_with_accumulation():
+    model = mlp(accumulation_steps=2)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = data(16)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(4)
+    with pytest.warns(UserWarning, match="unknown cardinality"):
+        model.fit(ds, epochs=1, verbose=0, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(
+            ds.apply(tf.data.experimental.assert_cardinality(4)), epochs=1, verbose=0, shuffle=False
+        )
+
+
+def test_built_optimizer_cannot_start_accumulating():
+    model = mlp(accumulation_steps=2)
+    optimizer = keras.optimizers.SGD()
+    optimizer.build(model.trainable_variables)
+    with pytest.raises(ValueError, match="already built"):
+        model.compile(optimizer=optimizer, loss="mse")
