@@ -1,0 +1,73 @@
+import time
+
+import pytest
+import tensorflow as tf
+
+from kvram import memory
+
+
+def test_peak_current_reset_on_cpu():
+    memory.reset_peak("CPU:0")
+    base = memory.current_bytes("CPU:0")
+    x = tf.ones((1024, 1024))  # 4 MiB
+    y = x * 2.0
+    assert memory.current_bytes("cpu") >= base
+    assert memory.peak_bytes("/device:CPU:0") >= base + 4 * 2**20
+    del x, y
+    memory.reset_peak("CPU:0")
+    assert memory.peak_bytes("CPU:0") == memory.current_bytes("CPU:0")
+
+
+def test_track_records_peak_delta_time():
+    with memory.track("alloc", "CPU:0") as t:
+        keep = tf.ones((512, 1024)) + 1.0  # 2 MiB kept
+        tmp = tf.ones((2048, 1024)) * 3.0  # 8 MiB temporary
+        del tmp
+        time.sleep(0.01)
+    assert t.peak_over_start_bytes >= 8 * 2**20
+    assert t.delta_bytes >= 2 * 2**20
+    assert t.seconds >= 0.01
+    assert "alloc on CPU:0" in str(t)
+    del keep
+
+
+@pytest.mark.parametrize("bad", ["TPU:0", "gpu0", ""])
+def test_bad_device_name(bad):
+    with pytest.raises(ValueError, match=f"must name a CPU or GPU.*Received: device={bad!r}"):
+        memory.peak_bytes(bad)
+
+
+def test_device_type_checked():
+    with pytest.raises(TypeError, match="Received: device=0"):
+        memory.peak_bytes(0)
+
+
+def test_monitor_on_cpu_explains_nvml():
+    monitor = memory.MemoryMonitor("CPU:0")
+    snap = monitor.snapshot()
+    assert snap["device"] == "CPU:0"
+    assert snap["tf_current_bytes"] >= 0
+    assert snap["nvml_total_bytes"] is None
+    assert "GPUs only" in monitor.nvml_note
+
+
+def test_monitor_without_gpu_degrades_with_note():
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU is visible")
+    monitor = memory.MemoryMonitor("GPU:0")
+    assert not monitor.nvml_available
+    assert monitor.nvml_note.startswith("NVML unavailable")
+    with pytest.raises(ValueError, match="No memory statistics for device 'GPU:0'"):
+        monitor.snapshot()
+
+
+@pytest.mark.gpu
+def test_monitor_on_gpu_reads_nvml():
+    monitor = memory.MemoryMonitor("GPU:0")
+    snap = monitor.snapshot()
+    assert snap["nvml_total_bytes"] > snap["nvml_free_bytes"] > 0
+    with memory.track("gpu", "GPU:0") as t:
+        with tf.device("GPU:0"):
+            x = tf.ones((4096, 4096))
+            float(tf.reduce_sum(x @ x))
+    assert t.peak_over_start_bytes >= 64 * 2**20
