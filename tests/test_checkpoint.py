@@ -56,7 +56,9 @@ def test_gradients_equal_plain_with_dropout(mode, batchnorm):
     # Dropout is active: the plain loss differs from the inference loss.
     assert float(plain_loss) != pytest.approx(float(tf.reduce_sum(block(x) ** 2)))
     assert float(ckpt_loss) == pytest.approx(float(plain_loss), rel=TOL)
-    assert max_rel_diff(plain_grads, ckpt_grads) <= TOL
+    # With BatchNorm, the first Dense's bias gradient is analytically zero: compare
+    # against the model's gradient scale instead of that tensor's own noise.
+    assert max_rel_diff(plain_grads, ckpt_grads, per_tensor=not batchnorm) <= TOL
     # Seed state and (with BatchNorm) moving statistics end where the plain run left
     # them: the recomputation replays the forward pass's updates, it does not add to them.
     for a, b in zip(plain_state, ckpt_state):

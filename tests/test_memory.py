@@ -9,8 +9,9 @@ from kvram import memory
 def test_peak_current_reset_on_cpu():
     memory.reset_peak("CPU:0")
     base = memory.current_bytes("CPU:0")
-    x = tf.ones((1024, 1024))  # 4 MiB
-    y = x * 2.0
+    with tf.device("CPU:0"):
+        x = tf.ones((1024, 1024))  # 4 MiB
+        y = x * 2.0
     assert memory.current_bytes("cpu") >= base
     assert memory.peak_bytes("/device:CPU:0") >= base + 4 * 2**20
     del x, y
@@ -19,7 +20,7 @@ def test_peak_current_reset_on_cpu():
 
 
 def test_track_records_peak_delta_time():
-    with memory.track("alloc", "CPU:0") as t:
+    with memory.track("alloc", "CPU:0") as t, tf.device("CPU:0"):
         keep = tf.ones((512, 1024)) + 1.0  # 2 MiB kept
         tmp = tf.ones((2048, 1024)) * 3.0  # 8 MiB temporary
         del tmp
