@@ -1,4 +1,3 @@
-import os
 
 import keras
 import numpy as np
@@ -7,7 +6,7 @@ import tensorflow as tf
 
 import kvram
 from kvram.layers import Checkpoint
-from tests.helpers import max_rel_diff, values
+from tests.helpers import max_rel_diff
 
 TOL = 1e-5
 
