@@ -14,6 +14,7 @@ __all__ = [
     "peak_bytes",
     "current_bytes",
     "reset_peak",
+    "limit_bytes",
     "track",
     "Tracked",
     "MemoryMonitor",
@@ -197,9 +198,38 @@ class MemoryMonitor:
         return record
 
 
+def _logical_gpus() -> list[tuple[int, int | None]]:
+    """(physical index, memory limit in bytes or None) of each logical GPU, in order."""
+    entries = []
+    for index, physical in enumerate(tf.config.get_visible_devices("GPU")):
+        configs = tf.config.get_logical_device_configuration(physical) or [None]
+        for config in configs:
+            limit = getattr(config, "memory_limit", None)
+            entries.append((index, None if limit is None else int(limit) * 2**20))
+    return entries
+
+
 def _physical_gpu_index(logical_index: int) -> int:
-    """NVML numbers physical GPUs; logical GPUs split from one map to that one."""
-    physical = tf.config.list_physical_devices("GPU")
-    if len(physical) <= 1:
+    """NVML numbers physical GPUs; a logical GPU maps to the one it was split from."""
+    entries = _logical_gpus()
+    if not entries:
         return 0
-    return min(logical_index, len(physical) - 1)
+    return entries[min(logical_index, len(entries) - 1)][0]
+
+
+def limit_bytes(device: str | None = None) -> int | None:
+    """The most memory TensorFlow may use on `device`, or None when unknown.
+
+    A logical GPU's `memory_limit` when one was set
+    (`tf.config.set_logical_device_configuration`), else the GPU's total memory
+    from NVML. None for CPUs and when NVML is unavailable.
+    """
+    name = _device_name(device)
+    if not name.startswith("GPU"):
+        return None
+    index = int(name.split(":")[1])
+    entries = _logical_gpus()
+    if index < len(entries) and entries[index][1] is not None:
+        return entries[index][1]
+    monitor = MemoryMonitor(name)
+    return monitor.snapshot()["nvml_total_bytes"]

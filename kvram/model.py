@@ -13,11 +13,14 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kvram import _checks
+from kvram import _checks, _train_function
 
 __all__ = ["Model"]
 
-_KVRAM_ARGS = ("accumulation_steps", "clip_global_norm", "skip_nonfinite")
+_KVRAM_ARGS = ("accumulation_steps", "micro_batch_size", "clip_global_norm", "skip_nonfinite")
+# Loss reductions that are a mean over the batch's rows, so that the slices'
+# losses weighted by their share of rows add up to the batch's loss.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 @keras.saving.register_keras_serializable(package="kvram")
@@ -36,6 +39,17 @@ class Model(keras.Model):
       of b. This is the optimizer's own `gradient_accumulation_steps`, set on the
       inner optimizer when a `LossScaleOptimizer` wraps it. A skipped step does not
       count towards the N.
+    - `micro_batch_size=m`: each batch from the data is still one optimisation
+      step, but its forward and backward passes run over slices of at most m
+      rows, one after the other, and their gradients are summed with weights
+      rows/batch (so a short last slice counts for what it holds). Memory then
+      follows m while the update equals the whole batch's. The loss must be a
+      mean over the batch (Keras's default reduction). What differs from one
+      pass over the batch: BatchNormalization normalises each slice with that
+      slice's statistics and updates its moving statistics once per slice, and
+      loss terms that are not per-sample means (e.g. activity regularisers summed
+      over the batch) are averaged over slices. `AdaptiveBatchSize` changes m
+      during `fit()`.
     - `clip_global_norm`: the (accumulated, unscaled) gradient is clipped to this
       global norm, through the optimizer's own `global_clipnorm`.
     - `skip_nonfinite=True`: a step whose gradients are not all finite changes no
@@ -48,6 +62,8 @@ class Model(keras.Model):
     Args:
         *args: `inputs, outputs` for a functional model, or nothing for a subclass.
         accumulation_steps: int >= 1, batches per weight update.
+        micro_batch_size: None (whole batches) or int >= 1, rows per forward and
+            backward pass.
         clip_global_norm: None or float > 0, maximum global gradient norm.
         skip_nonfinite: bool, skip steps with NaN/Inf gradients.
         **kwargs: `keras.Model` arguments (`name`, ...).
@@ -72,11 +88,16 @@ class Model(keras.Model):
         self,
         *args,
         accumulation_steps: int = 1,
+        micro_batch_size: int | None = None,
         clip_global_norm: float | None = None,
         skip_nonfinite: bool = True,
         **kwargs,
     ):
         self.accumulation_steps = _checks.positive_int("accumulation_steps", accumulation_steps)
+        self._micro_batch_size = _checks.positive_int(
+            "micro_batch_size", micro_batch_size, allow_none=True
+        )
+        self._batch_controller = None
         self.clip_global_norm = _checks.positive_float(
             "clip_global_norm", clip_global_norm, allow_none=True
         )
@@ -101,6 +122,22 @@ class Model(keras.Model):
         return int(self._skipped.numpy())
 
     @property
+    def micro_batch_size(self) -> int | None:
+        """Rows per forward/backward pass; None runs each batch in one pass."""
+        return self._micro_batch_size
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value: int | None) -> None:
+        value = _checks.positive_int("micro_batch_size", value, allow_none=True)
+        if value is not None:
+            _check_mean_reductions(getattr(self, "loss", None))
+        self._micro_batch_size = value
+        function = getattr(self, "train_function", None)
+        if function is not None and not isinstance(function, _train_function.TrainFunction):
+            # Keras's own step does not slice batches: switch to kvram's.
+            self.make_train_function(force=True)
+
+    @property
     def inner_optimizer(self):
         """The optimizer that updates the weights (inside a `LossScaleOptimizer` if any)."""
         optimizer = getattr(self, "optimizer", None)
@@ -111,6 +148,8 @@ class Model(keras.Model):
 
         precision.check_model_policy(self)
         super().compile(optimizer, *args, **kwargs)
+        if self._micro_batch_size is not None:
+            _check_mean_reductions(getattr(self, "loss", None))
         inner = self.inner_optimizer
         if inner is None:
             return
@@ -160,11 +199,71 @@ class Model(keras.Model):
                 "`steps_per_epoch`.",
                 stacklevel=2,
             )
-        return super().fit(x, *args, **kwargs)
+        callbacks = kwargs.get("callbacks")
+        controllers = [c for c in (callbacks or []) if hasattr(c, "_kvram_controls_batch")]
+        if len(controllers) > 1:
+            raise ValueError(
+                "Pass at most one AdaptiveBatchSize callback to fit(). "
+                f"Received: {len(controllers)} of them"
+            )
+        previous = self._batch_controller
+        self._batch_controller = controllers[0] if controllers else None
+        if self._batch_controller is not None or previous is not None:
+            self.train_function = None  # built again below, for the new controller
+        try:
+            return super().fit(x, *args, **kwargs)
+        finally:
+            self._batch_controller = None
+
+    def make_train_function(self, force=False):
+        if self._micro_batch_size is None and self._batch_controller is None:
+            if isinstance(self.train_function, _train_function.TrainFunction):
+                force = True
+            return super().make_train_function(force=force)
+        if self.train_function is not None and not force and isinstance(
+            self.train_function, _train_function.TrainFunction
+        ):
+            return self.train_function
+        if type(self).train_step is not Model.train_step:
+            raise NotImplementedError(
+                f"{type(self).__name__} overrides train_step, so kvram cannot slice its "
+                "batches (micro_batch_size) or recover from out-of-memory errors "
+                "(AdaptiveBatchSize). Use micro_batch_size=None and no AdaptiveBatchSize, "
+                "or move the custom logic into call()/compute_loss()."
+            )
+        self.train_function = _train_function.TrainFunction(self)
+        return self.train_function
 
     def train_step(self, data):
         # Keras's TensorFlowTrainer.train_step, with the gradient handling below.
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        if self._micro_batch_size is None:
+            gradients, y_pred = self._slice_gradients(x, y, sample_weight)
+        else:
+            gradients = self._micro_batch_gradients(x, y, sample_weight, self._micro_batch_size)
+        if self.trainable_weights:
+            self._apply_gradients(gradients, self.trainable_weights)
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        if self._micro_batch_size is None:
+            logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        else:
+            logs = self.get_metrics_result()
+        return self._kvram_logs(logs)
+
+    def _kvram_logs(self, logs):
+        logs = dict(logs)
+        logs["skipped_steps"] = self._skipped.value()
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            logs["loss_scale"] = self.optimizer.dynamic_scale.value
+        return logs
+
+    def _slice_gradients(self, x, y, sample_weight, scale=None):
+        """Forward and backward over one slice: (gradients, y_pred).
+
+        `scale` (the slice's share of the batch's rows) multiplies the loss, so
+        that the slices' gradients add up to the batch's.
+        """
         with tf.GradientTape() as tape:
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
@@ -175,21 +274,69 @@ class Model(keras.Model):
             )
             self._loss_tracker.update_state(
                 loss_module.unscale_loss_for_distribution(loss),
-                sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
+                sample_weight=_rows(x),
             )
             if self.optimizer is not None:
                 loss = self.optimizer.scale_loss(loss)
-        if self.trainable_weights:
-            trainable_weights = self.trainable_weights
-            gradients = tape.gradient(loss, trainable_weights)
-            self._apply_gradients(gradients, trainable_weights)
-        else:
-            warnings.warn("The model does not have any trainable weights.")
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        logs["skipped_steps"] = self._skipped.value()
-        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            logs["loss_scale"] = self.optimizer.dynamic_scale.value
-        return logs
+            if scale is not None:
+                loss = loss * tf.cast(scale, loss.dtype)
+        if not self.trainable_weights:
+            return [], y_pred
+        return tape.gradient(loss, self.trainable_weights), y_pred
+
+    def _micro_batch_gradients(self, x, y, sample_weight, micro_batch_size):
+        """The batch's gradients, summed over slices of `micro_batch_size` rows.
+
+        The loop is a `tf.while_loop` (run in TF's graph executor, not XLA, since
+        the last slice may be shorter); with `jit_compile`, each slice's forward
+        and backward is one XLA computation, compiled once per slice shape.
+        """
+        slice_fn = self._slice_function()
+        rows = _rows(x)
+        total = tf.cast(rows, tf.float32)
+        m = tf.constant(micro_batch_size, dtype=rows.dtype)
+
+        def take(start, size):
+            def cut(t):
+                return None if t is None else t[start : start + size]
+
+            return tree.map_structure(cut, (x, y, sample_weight))
+
+        def slice_at(start):
+            size = tf.minimum(m, rows - start)
+            xs, ys, sws = take(start, size)
+            gradients, y_pred = slice_fn(xs, ys, sws, tf.cast(size, tf.float32) / total)
+            self.compute_metrics(xs, ys, y_pred, sample_weight=sws)
+            return [_dense(g) for g in gradients]
+
+        first = slice_at(tf.constant(0, dtype=rows.dtype))
+        present = [i for i, g in enumerate(first) if g is not None]
+
+        def body(start, sums):
+            gradients = slice_at(start)
+            return start + m, [s + gradients[i] for s, i in zip(sums, present)]
+
+        _, sums = tf.while_loop(
+            lambda start, _: start < rows,
+            body,
+            (m, [first[i] for i in present]),
+        )
+        gradients = [None] * len(first)
+        for i, s in zip(present, sums):
+            gradients[i] = s
+        return gradients
+
+    def _slice_function(self):
+        """`_slice_gradients`, as an XLA computation when the model compiles with XLA."""
+        if not self.jit_compile or self.run_eagerly or tf.executing_eagerly():
+            return self._slice_gradients
+        function = getattr(self, "_jit_slice_gradients", None)
+        if function is None:
+            function = tf.function(
+                self._slice_gradients, jit_compile=True, reduce_retracing=True
+            )
+            self._jit_slice_gradients = function
+        return function
 
     def _apply_gradients(self, gradients, trainable_weights):
         finite = all_finite(gradients)
@@ -213,6 +360,28 @@ class Model(keras.Model):
         if isinstance(self, Functional):
             config.update({name: getattr(self, name) for name in _KVRAM_ARGS})
         return config
+
+
+def _rows(x) -> tf.Tensor:
+    """The number of rows (batch size) of the first tensor in `x`."""
+    return tf.shape(next(i for i in tree.flatten(x) if i is not None))[0]
+
+
+def _dense(gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.convert_to_tensor(gradient)
+    return gradient
+
+
+def _check_mean_reductions(loss) -> None:
+    for item in tree.flatten(loss) if loss is not None else []:
+        reduction = getattr(item, "reduction", "sum_over_batch_size")
+        if isinstance(item, keras.losses.Loss) and reduction not in _MEAN_REDUCTIONS:
+            raise ValueError(
+                "micro_batch_size needs losses that average over the batch "
+                f"(reduction in {_MEAN_REDUCTIONS}), so that slices can be weighted by "
+                f"their rows. Received: loss {item.name!r} with reduction={reduction!r}"
+            )
 
 
 def all_finite(gradients) -> tf.Tensor:

@@ -1,0 +1,236 @@
+"""The function Keras's fit loop calls for a `kvram.Model` that slices batches or
+recovers from out-of-memory errors (private).
+
+Keras compiles a training step into one `tf.function` and calls it with the data
+iterator. An out-of-memory error raised inside it cannot be caught there: it ends
+the call, and `fit()`, with the batch already taken from the iterator. kvram's
+function takes the batch itself, then runs the step in two compiled parts:
+
+1. gradients: forward and backward passes (over micro-batches, if set); this is
+   where memory grows with the batch, and where an OOM is recovered from. It
+   writes only non-trainable state (BatchNormalization statistics, random-seed
+   states) and metrics; those, with the optimizer's scalar counters, are read
+   before the call and written back after a failure, so a failed attempt leaves
+   no trace. TensorFlow copies a variable on write while an older read of it is
+   alive, so the reads cost no memory unless the step changes the variable.
+2. update: `optimizer.apply` (loss-scale unscaling, accumulation, clipping,
+   the non-finite guard) and the logs. Its memory does not depend on the batch.
+
+On an OOM in part 1 the batch controller (`kvram.callbacks.AdaptiveBatchSize`)
+picks a smaller micro-batch and the same batch runs again, so every sample is
+trained on exactly once and `optimizer.iterations` counts real updates only.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import keras
+import tensorflow as tf
+from keras import tree
+from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+__all__ = ["TrainFunction", "is_out_of_memory"]
+
+_OOM_MARKERS = ("out of memory", "oom when allocating", "dst tensor is not initialized")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for TensorFlow's out-of-memory errors.
+
+    Most surface as `ResourceExhaustedError`; a failed device copy under memory
+    pressure surfaces as `InternalError: Dst tensor is not initialized`.
+    """
+    if isinstance(error, tf.errors.ResourceExhaustedError):
+        return True
+    if isinstance(error, tf.errors.InternalError):
+        message = str(error).lower()
+        return any(marker in message for marker in _OOM_MARKERS)
+    return False
+
+
+class TrainFunction:
+    """`model.train_function` for micro-batching and OOM recovery."""
+
+    def __init__(self, model):
+        self.model = model
+        self._gradient_functions: dict = {}
+        self._apply_function = None
+        self._state: tuple = ()
+        self._snapshot_function = None
+        self._restore_function = None
+        self._built = False
+
+    def build(self, data) -> None:
+        """Creates the model's, metrics' and optimizer's variables before any tracing.
+
+        Keras does this inside its first compiled step; kvram's step traces a
+        loop over slices, where no variable may be created.
+        """
+        if self._built:
+            return
+        model = self.model
+        first = next(t for t in tree.flatten(data) if t is not None)
+        if not isinstance(first, tf.distribute.DistributedValues):
+            model._symbolic_build(data_batch=tree.map_structure(_symbolic, data))
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built and model.trainable_variables:
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
+        self._built = True
+
+    # Keras calls this with an iterator once per `steps_per_execution` batches.
+    def __call__(self, iterator):
+        logs = None
+        for _ in range(max(1, int(self.model.steps_per_execution))):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if logs is None:
+                    raise StopIteration from None
+                break
+            logs = self.step(data)
+        return logs
+
+    def step(self, data):
+        """One training step on `data`, run again at a smaller micro-batch after an OOM."""
+        model = self.model
+        data = tree.map_structure(
+            lambda t: None if isinstance(t, tf.experimental.Optional) else t, data
+        )
+        self.build(data)
+        controller = model._batch_controller
+        if controller is None:
+            gradients = self._gradients(model.micro_batch_size)(data)
+            return self._apply()(gradients)
+        rows = _local_rows(data)
+        micro_batch_size = controller.begin_step(model, rows)
+        while True:
+            saved = self._snapshot()
+            started = time.perf_counter()
+            try:
+                gradients = self._gradients(micro_batch_size)(data)
+                break
+            except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as error:
+                if not is_out_of_memory(error):
+                    raise
+                seconds = time.perf_counter() - started
+                self._restore(saved)
+                del saved
+                gc.collect()
+                micro_batch_size = controller.recover(
+                    model, error, micro_batch_size, rows, seconds
+                )
+        del saved
+        return self._apply()(gradients)
+
+    def _gradients(self, micro_batch_size):
+        function = self._gradient_functions.get(micro_batch_size)
+        if function is not None:
+            return function
+        model = self.model
+        strategy = model.distribute_strategy
+
+        def replica_gradients(data):
+            from keras.src.trainers.data_adapters import data_adapter_utils
+
+            x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+            if micro_batch_size is None:
+                gradients, y_pred = model._slice_gradients(x, y, sample_weight)
+                model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+                return gradients
+            return model._micro_batch_gradients(x, y, sample_weight, micro_batch_size)
+
+        def gradients(data):
+            return strategy.run(replica_gradients, args=(data,))
+
+        if not model.run_eagerly:
+            # Sliced batches loop in TF's executor; each slice is XLA-compiled
+            # inside (see Model._micro_batch_gradients).
+            gradients = tf.function(
+                gradients,
+                reduce_retracing=True,
+                jit_compile=bool(model.jit_compile) and micro_batch_size is None,
+            )
+        self._gradient_functions[micro_batch_size] = gradients
+        return gradients
+
+    def _apply(self):
+        if self._apply_function is not None:
+            return self._apply_function
+        model = self.model
+        strategy = model.distribute_strategy
+
+        def replica_apply(gradients):
+            if model.trainable_weights:
+                model._apply_gradients(list(gradients), model.trainable_weights)
+            return model._kvram_logs(model.get_metrics_result())
+
+        def apply(gradients):
+            logs = strategy.run(replica_apply, args=(gradients,))
+            return reduce_per_replica(logs, strategy, reduction="auto")
+
+        if not model.run_eagerly:
+            apply = tf.function(apply, reduce_retracing=True, jit_compile=bool(model.jit_compile))
+        self._apply_function = apply
+        return apply
+
+    # A failed gradient pass writes only these; they are restored after it.
+    def _state_variables(self) -> tuple:
+        model = self.model
+        variables = list(model.non_trainable_variables) + list(model.metrics_variables)
+        variables.append(model._skipped)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            variables += [v for v in optimizer.variables if len(v.shape) == 0]
+        unique, seen = [], set()
+        for variable in variables:
+            key = id(variable)
+            if key not in seen:
+                seen.add(key)
+                unique.append(variable)
+        return tuple(unique)
+
+    def _snapshot(self):
+        state = self._state_variables()
+        if [id(v) for v in state] != [id(v) for v in self._state] or (
+            self._snapshot_function is None
+        ):
+            self._state = state
+
+            def snapshot():
+                return [tf.identity(_value(v)) for v in state]
+
+            def restore(values):
+                for variable, value in zip(state, values):
+                    variable.assign(value)
+
+            if not self.model.run_eagerly:
+                snapshot = tf.function(snapshot)
+                restore = tf.function(restore)
+            self._snapshot_function, self._restore_function = snapshot, restore
+        return self._snapshot_function()
+
+    def _restore(self, saved) -> None:
+        self._restore_function(saved)
+
+
+def _symbolic(tensor):
+    """A stand-in for `tensor` with any batch size, for Keras's symbolic build."""
+    if tensor is None:
+        return None
+    shape = tuple(tensor.shape)
+    return keras.KerasTensor((None,) + shape[1:] if shape else shape, dtype=tensor.dtype)
+
+
+def _value(variable):
+    return variable.value if not callable(getattr(variable, "value", None)) else variable.value()
+
+
+def _local_rows(data) -> int:
+    """Rows of the batch on one replica (the batch's size without a strategy)."""
+    first = next(t for t in tree.flatten(data) if t is not None)
+    if hasattr(first, "values") and isinstance(getattr(first, "values"), tuple):
+        first = first.values[0]  # a PerReplica value
+    return int(first.shape[0]) if first.shape[0] is not None else int(tf.shape(first)[0])

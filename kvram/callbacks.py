@@ -1,0 +1,542 @@
+"""Callbacks for `fit()`: memory-aware micro-batching that survives out-of-memory
+errors, a search for the largest micro-batch, and a per-step memory log."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import gc
+import logging
+import math
+import os
+import time
+from typing import NamedTuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+from keras.src.utils import io_utils
+
+from kvram import _checks, memory
+from kvram._train_function import TrainFunction, is_out_of_memory
+
+__all__ = ["AdaptiveBatchSize", "MemoryLogger", "find_max_batch_size", "BatchSizeSearch"]
+
+_log = logging.getLogger("kvram")
+_MIB = 2.0**20
+
+
+@dataclasses.dataclass
+class BatchEvent:
+    """One change of the micro-batch size during `fit()`."""
+
+    step: int
+    epoch: int
+    kind: str  # "start", "oom", "grow" or "shrink"
+    old: int | None
+    new: int
+    peak_bytes: int | None = None
+    seconds_to_error: float | None = None
+    seconds_to_recover: float | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class AdaptiveBatchSize(keras.callbacks.Callback):
+    """Sizes a `kvram.Model`'s micro-batch by memory, and recovers from OOM errors.
+
+    Each batch from the data stays one optimisation step; this callback picks how
+    many of its rows go through the forward and backward pass at once
+    (`kvram.Model.micro_batch_size`), so the update is the same whatever it picks.
+
+    - Out of memory during a step: the step's state is restored, memory freed,
+      the micro-batch halved and **the same batch run again**, so no sample is
+      skipped or seen twice and `optimizer.iterations` counts real updates only.
+      The failing size becomes a ceiling for growth. At `min_micro_batch` the
+      batch is retried up to `max_retries` times in a row, then the error is
+      raised with what was tried.
+    - Headroom: after each step the device's peak is compared with
+      `target_utilization * limit`. Above it the micro-batch shrinks to the size
+      predicted to fit; below it the micro-batch grows (doubling, or halfway to
+      the ceiling) when the predicted peak stays under the target. Predictions
+      scale the step's memory above its starting level linearly with rows. The
+      limit is `memory_limit`, else the logical GPU's `memory_limit`, else the
+      GPU's total memory (NVML); on a CPU without `memory_limit` there is no
+      headroom rule and only OOM errors shrink the micro-batch.
+
+    Every change is printed (with `verbose`), logged to the "kvram" logger and
+    kept in `events` (see `MemoryLogger` for the CSV and plot).
+
+    Args:
+        min_micro_batch: int >= 1, the smallest micro-batch to try.
+        max_micro_batch: None or int >= min_micro_batch; default: the batch size.
+        target_utilization: float in (0, 1], the share of the limit a step may peak at.
+        memory_limit: None or int bytes, overrides the detected device limit.
+        device: None ("GPU:0" when a GPU is visible, else "CPU:0") or a device name.
+        max_retries: int >= 0, OOM retries in a row at `min_micro_batch`.
+        verbose: 0 or 1.
+
+    Example:
+    ```python
+    model = kvram.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(data.batch(1024), callbacks=[kvram.callbacks.AdaptiveBatchSize()])
+    ```
+    """
+
+    _kvram_controls_batch = True
+
+    def __init__(
+        self,
+        min_micro_batch: int = 1,
+        max_micro_batch: int | None = None,
+        target_utilization: float = 0.85,
+        memory_limit: int | None = None,
+        device: str | None = None,
+        max_retries: int = 3,
+        verbose: int = 1,
+    ):
+        super().__init__()
+        self.min_micro_batch = _checks.positive_int("min_micro_batch", min_micro_batch)
+        self.max_micro_batch = _checks.positive_int(
+            "max_micro_batch", max_micro_batch, allow_none=True
+        )
+        if self.max_micro_batch is not None and self.max_micro_batch < self.min_micro_batch:
+            raise ValueError(
+                "`max_micro_batch` must be >= `min_micro_batch`. Received: "
+                f"min_micro_batch={min_micro_batch}, max_micro_batch={max_micro_batch}"
+            )
+        target = _checks.positive_float("target_utilization", target_utilization)
+        if target > 1:
+            raise ValueError(
+                "`target_utilization` must be in (0, 1]. "
+                f"Received: target_utilization={target_utilization!r}"
+            )
+        self.target_utilization = target
+        self.memory_limit = _checks.positive_int("memory_limit", memory_limit, allow_none=True)
+        self.device = memory._device_name(device)
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"`max_retries` must be an int >= 0. Received: max_retries={max_retries!r}")
+        self.max_retries = max_retries
+        self.verbose = verbose
+        self.events: list[BatchEvent] = []
+        self.oom_count = 0
+        self._limit: int | None = None
+        self._ceiling: int | None = None
+        self._rows = 0
+        self._step = 0
+        self._epoch = 0
+        self._start_bytes = 0
+        self._in_a_row = 0
+        self._measure_next = True
+
+    # --- Keras callback hooks -------------------------------------------------
+    def on_train_begin(self, logs=None):
+        from kvram.model import Model
+
+        if not isinstance(self.model, Model):
+            raise TypeError(
+                "AdaptiveBatchSize needs a kvram.Model, whose training step can slice "
+                f"batches and run one again. Received: a {type(self.model).__name__}"
+            )
+        self._limit = self.memory_limit or memory.limit_bytes(self.device)
+        self._measure_next = False  # the first step also traces and compiles
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        memory.reset_peak(self.device)
+        self._start_bytes = memory.current_bytes(self.device)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        self._in_a_row = 0
+        peak = memory.peak_bytes(self.device)
+        if not self._measure_next:
+            self._measure_next = True
+            return
+        if self._limit is None:
+            return
+        size = self.model.micro_batch_size
+        used = max(peak - self._start_bytes, 1)
+        target = self.target_utilization * self._limit
+        room = target - self._start_bytes
+        if peak > target and size > self.min_micro_batch:
+            new = int(size * room / used) if room > 0 else size // 2
+            new = max(self.min_micro_batch, min(new, size - 1))
+            self._ceiling = size if self._ceiling is None else min(self._ceiling, size)
+            self._change("shrink", size, new, peak_bytes=peak)
+            return
+        top = min(self._rows, self.max_micro_batch or self._rows)
+        if self._ceiling is not None:
+            top = min(top, self._ceiling - 1)
+        if size >= top:
+            return
+        new = min(2 * size, top) if self._ceiling is None else min((size + self._ceiling) // 2, top)
+        if new > size and self._start_bytes + used * new / size <= target:
+            self._change("grow", size, new, peak_bytes=peak)
+
+    # --- called by kvram.Model's training function ----------------------------
+    def begin_step(self, model, rows: int) -> int:
+        """The micro-batch for a batch of `rows` rows (per replica)."""
+        self._rows = max(self._rows, rows)
+        if model.micro_batch_size is None:
+            top = min(rows, self.max_micro_batch or rows)
+            self._change("start", None, max(self.min_micro_batch, top))
+        return model.micro_batch_size
+
+    def recover(self, model, error, size: int, rows: int, seconds: float) -> int:
+        """After an OOM at `size`: the micro-batch to run the same batch with."""
+        started = time.perf_counter()
+        self.oom_count += 1
+        effective = min(size, rows)
+        self._ceiling = effective if self._ceiling is None else min(self._ceiling, effective)
+        if effective <= self.min_micro_batch:
+            self._in_a_row += 1
+            if self._in_a_row > self.max_retries:
+                raise RuntimeError(
+                    f"Out of memory at the smallest micro-batch ({self.min_micro_batch} "
+                    f"rows), {self._in_a_row} times in a row (epoch {self._epoch + 1}, "
+                    f"step {self._step + 1}). The model, its gradients and its optimizer "
+                    "state do not fit with even that; checkpoint more layers "
+                    "(kvram.layers.Checkpoint), use mixed precision, or lower "
+                    "min_micro_batch. Weights and optimizer state are as after the "
+                    "last completed step."
+                ) from error
+            new = effective
+        else:
+            new = max(self.min_micro_batch, effective // 2)
+        self._change("oom", size, new, seconds_to_error=seconds)
+        self.events[-1].seconds_to_recover = time.perf_counter() - started
+        return new
+
+    # ---------------------------------------------------------------------------
+    def _change(self, kind: str, old, new: int, **details) -> None:
+        self.model._micro_batch_size = new
+        self._measure_next = False
+        event = BatchEvent(self._step, self._epoch, kind, old, new, **details)
+        self.events.append(event)
+        message = {
+            "start": f"micro-batch {new}",
+            "oom": f"out of memory at micro-batch {old}; running the same batch again at {new}",
+            "grow": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))})",
+            "shrink": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))} "
+            f"over {self.target_utilization:.0%} of {_mib(self._limit)})",
+        }[kind]
+        text = f"AdaptiveBatchSize: epoch {self._epoch + 1}, step {self._step + 1}: {message}"
+        _log.info(text)
+        if self.verbose:
+            io_utils.print_msg(text)
+
+
+def _mib(value) -> str:
+    return "?" if value is None else f"{value / _MIB:.0f} MiB"
+
+
+class BatchSizeSearch(NamedTuple):
+    """What `find_max_batch_size` found: the size and every probe, in order."""
+
+    size: int
+    probes: list
+
+
+def find_max_batch_size(
+    model,
+    sample_batch,
+    low: int = 1,
+    high: int | None = None,
+    margin: float = 0.1,
+    verbose: int = 1,
+) -> BatchSizeSearch:
+    """The largest micro-batch a compiled `kvram.Model` trains with, and the probes.
+
+    Each probe runs one full training step (forward, backward, update; with the
+    gradient sum of a second slice) on `sample_batch`'s rows repeated to the probed
+    size, catches an out-of-memory error if one comes, and puts every weight,
+    optimizer and metric variable back as it was: the model is unchanged
+    afterwards. Sizes grow by doubling from `low` until one fails (when `high`
+    is given and at least 8x `low`, `high` is probed first), then the search
+    bisects (in log space) between the largest size that trained and the
+    smallest that failed, until the returned size is within `margin` of the
+    true maximum.
+
+    Args:
+        model: a compiled `kvram.Model`.
+        sample_batch: `(x, y)` or `(x, y, sample_weight)` with at least one row.
+        low: int >= 1, the smallest size; an error is raised if it does not fit.
+        high: None or int >= low, the largest size worth trying.
+        margin: float in (0, 1), relative precision of the answer.
+        verbose: 0 or 1, print each probe.
+
+    Returns:
+        `BatchSizeSearch(size, probes)`; each probe is a dict with `size`,
+        `fits`, `seconds` and `error` (the OOM message's first line, or None).
+
+    Raises:
+        RuntimeError: when `low` does not fit.
+    """
+    from kvram.model import Model
+
+    if not isinstance(model, Model):
+        raise TypeError(
+            f"find_max_batch_size needs a kvram.Model. Received: a {type(model).__name__}"
+        )
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError("Compile the model before find_max_batch_size(model, ...).")
+    low = _checks.positive_int("low", low)
+    high = _checks.positive_int("high", high, allow_none=True)
+    if high is not None and high < low:
+        raise ValueError(f"`high` must be >= `low`. Received: low={low}, high={high}")
+    margin = _checks.positive_float("margin", margin)
+    if margin >= 1:
+        raise ValueError(f"`margin` must be in (0, 1). Received: margin={margin!r}")
+    sample_batch = tuple(sample_batch) if isinstance(sample_batch, (list, tuple)) else (sample_batch,)
+    rows = int(np.shape(next(t for t in tree.flatten(sample_batch) if t is not None))[0])
+    if rows < 1:
+        raise ValueError("`sample_batch` must hold at least one row. Received: 0 rows")
+
+    probes: list[dict] = []
+    previous_size, previous_function = model._micro_batch_size, model.train_function
+    function = TrainFunction(model)
+    function.build(tree.map_structure(
+        lambda t: None if t is None else tf.convert_to_tensor(t), sample_batch
+    ))
+    saved = [(v, v.numpy()) for v in _all_variables(model)]
+
+    def probe(size: int) -> bool:
+        index = np.arange(size + 1) % rows  # size rows, plus a one-row second slice
+        batch = tree.map_structure(
+            lambda t: None if t is None else tf.gather(tf.convert_to_tensor(t), index),
+            sample_batch,
+        )
+        model._micro_batch_size = size
+        started = time.perf_counter()
+        error_text = None
+        try:
+            logs = function.step(batch)
+            tree.map_structure(lambda t: np.asarray(t), logs)  # wait for the device
+            fits = True
+        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as error:
+            if not is_out_of_memory(error):
+                raise
+            fits, error_text = False, str(error).strip().splitlines()[0][:200]
+        finally:
+            for variable, value in saved:
+                variable.assign(value)
+            del batch
+            gc.collect()
+        probes.append(
+            {
+                "size": size,
+                "fits": fits,
+                "seconds": time.perf_counter() - started,
+                "error": error_text,
+            }
+        )
+        if verbose:
+            io_utils.print_msg(
+                f"find_max_batch_size: {size} {'fits' if fits else 'out of memory'}"
+            )
+        return fits
+
+    try:
+        if not probe(low):
+            raise RuntimeError(
+                f"find_max_batch_size: not even low={low} rows fit in memory "
+                f"({probes[-1]['error']})."
+            )
+        good, bad = low, None
+        if high is not None:
+            bad = high + 1
+            if high >= 8 * low and high > low:
+                if probe(high):
+                    return BatchSizeSearch(high, probes)
+                bad = high
+        else:
+            while True:  # growth
+                size = 2 * good
+                if probe(size):
+                    good = size
+                else:
+                    bad = size
+                    break
+        # Bisection in log space, until any size above `good` that might fit is
+        # within `margin` of it.
+        while bad - good > 1 and (bad - 1) * (1 - margin) > good:
+            size = int(round(math.sqrt(good * bad)))
+            size = min(max(size, good + 1), bad - 1)
+            if probe(size):
+                good = size
+            else:
+                bad = size
+        return BatchSizeSearch(good, probes)
+    finally:
+        model._micro_batch_size = previous_size
+        model.train_function = previous_function
+
+
+def _all_variables(model) -> list:
+    variables = list(model.variables) + list(model.metrics_variables) + [model._skipped]
+    if model.optimizer is not None:
+        variables += list(model.optimizer.variables)
+    unique, seen = [], set()
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            unique.append(variable)
+    return unique
+
+
+class MemoryLogger(keras.callbacks.Callback):
+    """Writes each training step's memory to CSV and TensorBoard, and a PNG timeline.
+
+    Per step: TF allocator current and peak bytes on `device` (peak reset at the
+    start of each step), the micro-batch size, the loss, the loss scale and the
+    skipped-step count. Files in `logdir`:
+
+    - `memory.csv`: one row per step (written as it goes, so a crash keeps it).
+    - TensorBoard event files (`tensorboard --logdir logdir`): scalars under
+      `memory/` and `batch/`.
+    - `events.csv`: AdaptiveBatchSize's changes (OOM recoveries, grow, shrink).
+    - `memory.png` at the end of training: current and peak MiB per step, OOM
+      recoveries as red lines, micro-batch changes as grey lines, and the
+      micro-batch size on a second axis (matplotlib, imported then).
+
+    Args:
+        logdir: directory to write to (created if missing).
+        device: None ("GPU:0" when a GPU is visible, else "CPU:0") or a device name.
+        plot: bool, write `memory.png` at the end.
+    """
+
+    COLUMNS = (
+        "step",
+        "epoch",
+        "batch",
+        "seconds",
+        "current_bytes",
+        "peak_bytes",
+        "micro_batch_size",
+        "loss",
+        "loss_scale",
+        "skipped_steps",
+    )
+
+    def __init__(self, logdir, device: str | None = None, plot: bool = True):
+        super().__init__()
+        if not isinstance(logdir, (str, os.PathLike)):
+            raise TypeError(f"`logdir` must be a path. Received: logdir={logdir!r}")
+        self.logdir = os.fspath(logdir)
+        self.device = memory._device_name(device)
+        self.plot = _checks.boolean("plot", plot)
+        self.rows: list[dict] = []
+        self._file = None
+        self._writer = None
+        self._writer_tf = None
+        self._step = 0
+        self._epoch = 0
+        self._started = 0.0
+
+    def on_train_begin(self, logs=None):
+        os.makedirs(self.logdir, exist_ok=True)
+        self.rows = []
+        self._file = open(os.path.join(self.logdir, "memory.csv"), "w", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.COLUMNS)
+        self._writer.writeheader()
+        self._writer_tf = tf.summary.create_file_writer(self.logdir)
+        self._started = time.perf_counter()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        memory.reset_peak(self.device)
+
+    def on_train_batch_end(self, batch, logs=None):
+        logs = {k: _scalar(v) for k, v in (logs or {}).items()}  # also waits for the step
+        row = {
+            "step": self._step,
+            "epoch": self._epoch,
+            "batch": batch,
+            "seconds": round(time.perf_counter() - self._started, 6),
+            "current_bytes": memory.current_bytes(self.device),
+            "peak_bytes": memory.peak_bytes(self.device),
+            "micro_batch_size": getattr(self.model, "micro_batch_size", None),
+            "loss": logs.get("loss"),
+            "loss_scale": logs.get("loss_scale"),
+            "skipped_steps": logs.get("skipped_steps"),
+        }
+        self.rows.append(row)
+        self._writer.writerow(row)
+        self._file.flush()
+        with self._writer_tf.as_default(step=self._step):
+            tf.summary.scalar("memory/current_mib", row["current_bytes"] / _MIB)
+            tf.summary.scalar("memory/peak_mib", row["peak_bytes"] / _MIB)
+            for name in ("micro_batch_size", "loss", "loss_scale", "skipped_steps"):
+                if row[name] is not None:
+                    tf.summary.scalar(f"batch/{name}", float(row[name]))
+        self._step += 1
+
+    def on_train_end(self, logs=None):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer_tf is not None:
+            self._writer_tf.flush()
+            self._writer_tf.close()
+        events = self._events()
+        with open(os.path.join(self.logdir, "events.csv"), "w", newline="") as handle:
+            fields = [f.name for f in dataclasses.fields(BatchEvent)]
+            writer = csv.DictWriter(handle, fieldnames=fields)
+            writer.writeheader()
+            for event in events:
+                writer.writerow(event.as_dict())
+        if self.plot:
+            self.plot_timeline(os.path.join(self.logdir, "memory.png"), events)
+
+    def _events(self) -> list:
+        controller = getattr(self.model, "_batch_controller", None)
+        return list(getattr(controller, "events", []))
+
+    def plot_timeline(self, path: str, events=()) -> str:
+        """Writes the memory timeline of the rows logged so far to `path` (PNG)."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.rows]
+        figure, axis = plt.subplots(figsize=(10, 4.5))
+        axis.plot(steps, [r["current_bytes"] / _MIB for r in self.rows], label="current")
+        axis.plot(steps, [r["peak_bytes"] / _MIB for r in self.rows], label="peak in step")
+        axis.set_xlabel("training step")
+        axis.set_ylabel(f"{self.device} MiB (TF allocator)")
+        for event in events:
+            if event.kind == "oom":
+                axis.axvline(event.step, color="red", linestyle="-", alpha=0.6)
+            elif event.kind in ("grow", "shrink"):
+                axis.axvline(event.step, color="grey", linestyle="--", alpha=0.6)
+        sizes = [r["micro_batch_size"] for r in self.rows]
+        if any(s is not None for s in sizes):
+            twin = axis.twinx()
+            twin.step(steps, [np.nan if s is None else s for s in sizes], where="post",
+                      color="black", alpha=0.5, label="micro-batch")
+            twin.set_ylabel("micro-batch rows")
+        ooms = sum(e.kind == "oom" for e in events)
+        changes = sum(e.kind in ("grow", "shrink") for e in events)
+        axis.set_title(f"memory per step ({ooms} OOM recoveries in red, {changes} changes in grey)")
+        axis.legend(loc="upper left")
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        return path
+
+
+def _scalar(value):
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001 - logs may hold anything a user's metric returns
+        return None
+    return float(array) if array.size == 1 else None
