@@ -42,8 +42,9 @@ class Model(keras.Model):
     - `micro_batch_size=m`: each batch from the data is still one optimisation
       step, but its forward and backward passes run over slices of at most m
       rows, one after the other, and their gradients are summed with weights
-      rows/batch (so a short last slice counts for what it holds). Memory then
-      follows m while the update equals the whole batch's. The loss must be a
+      rows/batch (so a short last slice counts for what it holds). Activation
+      memory then follows m while the update equals the whole batch's; the
+      running sum costs one more gradient-sized buffer. The loss must be a
       mean over the batch (Keras's default reduction). What differs from one
       pass over the batch: BatchNormalization normalises each slice with that
       slice's statistics and updates its moving statistics once per slice, and
@@ -320,6 +321,7 @@ class Model(keras.Model):
             lambda start, _: start < rows,
             body,
             (m, [first[i] for i in present]),
+            parallel_iterations=1,  # one slice in memory at a time
         )
         gradients = [None] * len(first)
         for i, s in zip(present, sums):

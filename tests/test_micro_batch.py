@@ -1,0 +1,146 @@
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from tests.helpers import max_rel_diff
+
+TOL = 1e-5
+
+
+def model(micro_batch_size=None, jit_compile=False, dropout=False, **kwargs):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(32, activation="tanh")(inputs)
+    x = kvram.layers.Checkpoint(keras.layers.Dense(16, activation="relu"))(x)
+    outputs = keras.layers.Dense(3)(x)
+    net = kvram.Model(inputs, outputs, micro_batch_size=micro_batch_size, **kwargs)
+    net.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=["mae"],
+        jit_compile=jit_compile,
+    )
+    return net
+
+
+def data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 8)).astype("float32")
+    y = rng.standard_normal((n, 3)).astype("float32")
+    w = rng.uniform(0.2, 2.0, n).astype("float32")
+    return x, y, w
+
+
+@pytest.mark.parametrize(
+    "batch, micro, jit, weighted",
+    [
+        (16, 4, False, False),  # divides the batch
+        (16, 5, False, False),  # does not: slices 5, 5, 5, 1
+        (16, 7, True, True),  # XLA per slice, sample weights
+        (16, 16, False, True),  # one slice
+        (16, 40, False, False),  # larger than the batch
+    ],
+)
+def test_micro_batches_give_the_full_batch_update(batch, micro, jit, weighted):
+    x, y, w = data(batch)
+    whole = model()
+    sliced = model(micro_batch_size=micro, jit_compile=jit)
+    for a, b in zip(whole.weights, sliced.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    kwargs = {"sample_weight": w} if weighted else {}
+    h_whole = whole.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, **kwargs)
+    h_sliced = sliced.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, **kwargs)
+    assert max_rel_diff(
+        [v.numpy() for v in whole.trainable_weights], [v.numpy() for v in sliced.trainable_weights]
+    ) < TOL
+    for key in ("loss", "mae"):
+        assert h_sliced.history[key][0] == pytest.approx(h_whole.history[key][0], rel=TOL)
+    assert int(sliced.optimizer.iterations.numpy()) == 1
+
+
+def test_micro_batches_over_epochs_with_a_short_last_batch():
+    x, y, _ = data(50)
+    whole, sliced = model(), model(micro_batch_size=3)
+    whole.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    sliced.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert max_rel_diff(
+        [v.numpy() for v in whole.trainable_weights], [v.numpy() for v in sliced.trainable_weights]
+    ) < TOL
+    assert int(sliced.optimizer.iterations.numpy()) == 2 * 4
+
+
+def test_micro_batches_lower_peak_memory():
+    keras.utils.set_random_seed(0)
+
+    def wide(micro):
+        inputs = keras.Input((64,))
+        x = inputs
+        for _ in range(4):
+            x = keras.layers.Dense(1024, activation="relu")(x)
+        net = kvram.Model(inputs, keras.layers.Dense(1)(x), micro_batch_size=micro)
+        net.compile(optimizer="sgd", loss="mse")
+        return net
+
+    batch = tf.data.Dataset.from_tensors(
+        (np.ones((4096, 64), "float32"), np.ones((4096, 1), "float32"))
+    )
+    peaks = {}
+    with tf.device("CPU:0"):
+        for micro in (None, 32):
+            net = wide(micro)
+            net.fit(batch, epochs=1, verbose=0)  # trace and build
+            kvram.memory.reset_peak("CPU:0")
+            start = kvram.memory.current_bytes("CPU:0")
+            net.fit(batch, epochs=1, verbose=0)
+            peaks[micro] = kvram.memory.peak_bytes("CPU:0") - start
+    # Activations: 4096 rows x 4 layers x 1024 float32 = 64 MiB, 0.5 MiB per slice
+    # of 32; the slices add one gradient-sized running sum (3.2M params, 13 MiB).
+    print({k: v / 2**20 for k, v in peaks.items()})
+    assert peaks[32] < 0.5 * peaks[None], peaks
+
+
+def test_micro_batch_size_round_trips_and_can_change():
+    net = model(micro_batch_size=4)
+    assert net.get_config()["micro_batch_size"] == 4
+    x, y, _ = data(16)
+    net.fit(x, y, batch_size=16, verbose=0)
+    net.micro_batch_size = None
+    net.fit(x, y, batch_size=16, verbose=0)
+    net.micro_batch_size = 8
+    net.fit(x, y, batch_size=16, verbose=0)
+    assert int(net.optimizer.iterations.numpy()) == 3
+
+
+@pytest.mark.parametrize(
+    "value, error, text",
+    [
+        (0, ValueError, "micro_batch_size=0"),
+        (2.5, TypeError, "micro_batch_size=2.5"),
+        ("8", TypeError, "micro_batch_size='8'"),
+    ],
+)
+def test_bad_micro_batch_size(value, error, text):
+    with pytest.raises(error, match=text):
+        model(micro_batch_size=value)
+
+
+def test_micro_batches_need_mean_losses():
+    inputs = keras.Input((8,))
+    net = kvram.Model(inputs, keras.layers.Dense(1)(inputs), micro_batch_size=4)
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        net.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+
+
+def test_custom_train_step_is_refused_with_micro_batches():
+    class Custom(kvram.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    inputs = keras.Input((8,))
+    net = Custom(inputs, keras.layers.Dense(3)(inputs), micro_batch_size=4)
+    net.compile(optimizer="sgd", loss="mse")
+    x, y, _ = data(8)
+    with pytest.raises(NotImplementedError, match="overrides train_step"):
+        net.fit(x, y, verbose=0)
