@@ -472,11 +472,11 @@ class MemoryLogger(keras.callbacks.Callback):
         self._writer.writerow(row)
         self._file.flush()
         with self._writer_tf.as_default(step=self._step):
-            tf.summary.scalar("memory/current_mib", row["current_bytes"] / _MIB)
-            tf.summary.scalar("memory/peak_mib", row["peak_bytes"] / _MIB)
+            _scalar_summary("memory/current_mib", row["current_bytes"] / _MIB)
+            _scalar_summary("memory/peak_mib", row["peak_bytes"] / _MIB)
             for name in ("micro_batch_size", "loss", "loss_scale", "skipped_steps"):
                 if row[name] is not None:
-                    tf.summary.scalar(f"batch/{name}", float(row[name]))
+                    _scalar_summary(f"batch/{name}", float(row[name]))
         self._step += 1
 
     def on_train_end(self, logs=None):
@@ -532,6 +532,20 @@ class MemoryLogger(keras.callbacks.Callback):
         figure.savefig(path, dpi=100)
         plt.close(figure)
         return path
+
+
+def _scalar_summary(tag: str, value: float) -> None:
+    """A TensorBoard scalar, written by TF's core summary op.
+
+    `tf.summary.scalar` needs the `tensorboard` package installed in the training
+    environment; this writes the same record (scalars plugin metadata) without it.
+    """
+    from tensorflow.core.framework import summary_pb2
+
+    metadata = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+    )
+    tf.summary.write(tag, tf.constant(value, tf.float32), metadata=metadata)
 
 
 def _scalar(value):

@@ -1,0 +1,425 @@
+import csv
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from kvram import _train_function
+from kvram.callbacks import AdaptiveBatchSize, MemoryLogger, find_max_batch_size
+from tests.helpers import max_rel_diff
+
+TOL = 1e-5
+N = 96  # samples
+
+
+class InjectedOOM(keras.layers.Layer):
+    """Raises ResourceExhaustedError, as TF does on the GPU when memory runs out.
+
+    On the CPU a real allocation failure takes minutes to surface, and as
+    InvalidArgumentError, so tests inject it: when a slice has more than `rows`
+    rows, or on the calls whose index is in `fail_calls`. The model runs eagerly
+    so that the layer sees concrete shapes.
+    """
+
+    def __init__(self, rows=None, fail_calls=(), **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+        self.fail_calls = set(fail_calls)
+        self.calls = 0
+        self.raised = 0
+
+    def call(self, x):
+        if tf.executing_eagerly():
+            index = self.calls
+            self.calls += 1
+            if index in self.fail_calls or (self.rows is not None and x.shape[0] > self.rows):
+                self.raised += 1
+                raise tf.errors.ResourceExhaustedError(
+                    None, None, f"OOM when allocating tensor with shape[{x.shape[0]},16] (injected)"
+                )
+        return x
+
+
+class CountSamples(keras.layers.Layer):
+    """Counts, in a non-trainable variable, how often each sample id went forward."""
+
+    def __init__(self, n, **kwargs):
+        super().__init__(**kwargs)
+        self.n = n
+
+    def build(self, input_shape):
+        self.seen = self.add_weight(
+            shape=(self.n,), initializer="zeros", trainable=False, name="seen"
+        )
+
+    def call(self, ids):
+        counts = tf.math.bincount(tf.cast(tf.reshape(ids, [-1]), tf.int32), minlength=self.n,
+                                  maxlength=self.n, dtype=tf.float32)
+        self.seen.assign_add(counts)
+        return ids
+
+
+def network(oom=None, eager=False, accumulation_steps=1, micro_batch_size=None, metrics=True):
+    """Dense net on (features, id); the id only feeds the sample counter.
+
+    The counter runs before the OOM layer, so every failed attempt has already
+    changed a variable that the recovery must put back.
+    """
+    keras.utils.set_random_seed(5)
+    features = keras.Input((8,), name="features")
+    ids = keras.Input((1,), name="id")
+    count = CountSamples(N, name="count")(ids)
+    x = keras.layers.Dense(16, activation="tanh")(features)
+    if oom is not None:
+        x = oom(x)
+    x = keras.layers.Dense(3)(x)
+    outputs = keras.layers.Add()([x, 0.0 * count])
+    net = kvram.Model(
+        [features, ids],
+        outputs,
+        accumulation_steps=accumulation_steps,
+        micro_batch_size=micro_batch_size,
+    )
+    net.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss="mse",
+        metrics=["mae"] if metrics else None,
+        run_eagerly=eager,
+    )
+    return net
+
+
+def dataset(batch=16):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, 8)).astype("float32")
+    y = rng.standard_normal((N, 3)).astype("float32")
+    ids = np.arange(N, dtype="float32")[:, None]
+    return tf.data.Dataset.from_tensor_slices(((x, ids), y)).batch(batch)
+
+
+def weights(net):
+    return [v.numpy() for v in net.trainable_weights]
+
+
+def seen(net):
+    return net.get_layer("count").seen.numpy()
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_fit_survives_injected_ooms_and_equals_an_uninterrupted_run(accumulation_steps):
+    epochs, steps = 3, N // 16
+    plain = network(accumulation_steps=accumulation_steps)
+    h_plain = plain.fit(dataset(), epochs=epochs, verbose=0)
+
+    # Slices above 5 rows fail (16 -> 8 -> 4), plus failures at chosen calls.
+    oom = InjectedOOM(rows=5, fail_calls={9, 30, 31, 77})
+    net = network(oom, eager=True, accumulation_steps=accumulation_steps)
+    controller = AdaptiveBatchSize(verbose=0)
+    history = net.fit(dataset(), epochs=epochs, verbose=0, callbacks=[controller])
+
+    # 16 -> 8 -> 4 by size; call 9 fails at 4 (-> 2), call 30 at 2 (-> 1), then
+    # calls 31 and 77 fail at the minimum and are retried at 1.
+    assert oom.raised == controller.oom_count == 6
+    assert net.micro_batch_size == 1
+    assert max_rel_diff(weights(plain), weights(net)) < TOL
+    for a, b in zip(plain.optimizer.variables, net.optimizer.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=TOL, atol=1e-6)
+    # Exactly once per epoch: the failed attempts' counts were rolled back.
+    np.testing.assert_array_equal(seen(net), np.full(N, epochs))
+    np.testing.assert_array_equal(seen(plain), np.full(N, epochs))
+    updates = epochs * steps // accumulation_steps
+    assert int(net.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy())
+    assert int(net.inner_optimizer.iterations.numpy()) == updates
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(history.history[key], h_plain.history[key], rtol=TOL)
+    kinds = [e.kind for e in controller.events]
+    assert kinds == ["start"] + ["oom"] * 6
+    assert [e.new for e in controller.events] == [16, 8, 4, 2, 1, 1, 1]
+
+
+def test_a_hundred_ooms_in_one_fit():
+    epochs = 9
+    plain = network(metrics=False)
+    plain.fit(dataset(8), epochs=epochs, verbose=0)
+    # Slices above 5 rows fail (8 -> 4, the minimum); then every third call
+    # fails too, so each batch of two slices fails once and is run again.
+    oom = InjectedOOM(rows=5, fail_calls={i for i in range(0, 10_000, 3)})
+    net = network(oom, eager=True, metrics=False)
+    controller = AdaptiveBatchSize(min_micro_batch=4, verbose=0)
+    net.fit(dataset(8), epochs=epochs, verbose=0, callbacks=[controller])
+    assert controller.oom_count >= 100
+    assert max_rel_diff(weights(plain), weights(net)) < TOL
+    np.testing.assert_array_equal(seen(net), np.full(N, epochs))
+    assert int(net.optimizer.iterations.numpy()) == epochs * N // 8
+
+
+def test_recovery_from_a_compiled_step_restores_graph_written_state(monkeypatch):
+    """OOMs raised after the compiled gradient pass ran (and wrote BN statistics,
+    the sample counter and metrics in graph mode): all of it is put back."""
+    calls = {"n": 0}
+    original = _train_function.TrainFunction._gradients
+
+    def failing_gradients(self, micro_batch_size):
+        function = original(self, micro_batch_size)
+
+        def run(data):
+            out = function(data)
+            calls["n"] += 1
+            if calls["n"] % 3 == 1:
+                raise tf.errors.ResourceExhaustedError(None, None, "OOM (injected after the pass)")
+            return out
+
+        return run
+
+    def with_bn(oom=None):
+        keras.utils.set_random_seed(5)
+        features = keras.Input((8,))
+        ids = keras.Input((1,))
+        count = CountSamples(N, name="count")(ids)
+        x = keras.layers.Dense(16)(features)
+        x = keras.layers.BatchNormalization()(x)
+        x = keras.layers.Dropout(0.3)(x)
+        x = keras.layers.Dense(3)(x)
+        net = kvram.Model([features, ids], keras.layers.Add()([x, 0.0 * count]))
+        net.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        return net
+
+    plain = with_bn()
+    h_plain = plain.fit(dataset(), epochs=2, verbose=0)
+    net = with_bn()
+    monkeypatch.setattr(_train_function.TrainFunction, "_gradients", failing_gradients)
+    # micro-batch stays at the batch: min_micro_batch = 16 retries in place.
+    controller = AdaptiveBatchSize(min_micro_batch=16, verbose=0)
+    history = net.fit(dataset(), epochs=2, verbose=0, callbacks=[controller])
+    assert controller.oom_count == N // 16  # calls 1, 4, 7, ...: every other step
+    for a, b in zip(plain.variables, net.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=TOL, atol=1e-6, err_msg=a.path)
+    np.testing.assert_allclose(history.history["mae"], h_plain.history["mae"], rtol=TOL)
+
+
+def test_gives_up_with_a_clear_error_after_retries_at_the_minimum():
+    oom = InjectedOOM(rows=0)  # nothing fits
+    net = network(oom, eager=True)
+    before = weights(net)
+    with pytest.raises(RuntimeError, match=r"smallest micro-batch \(1 rows\), 3 times"):
+        net.fit(dataset(), epochs=1, verbose=0, callbacks=[AdaptiveBatchSize(max_retries=2, verbose=0)])
+    assert max_rel_diff(before, weights(net)) == 0
+    assert int(net.optimizer.iterations.numpy()) == 0
+    np.testing.assert_array_equal(seen(net), np.zeros(N))
+
+
+def test_other_errors_are_not_taken_for_ooms():
+    class Broken(keras.layers.Layer):
+        def call(self, x):
+            if tf.executing_eagerly():
+                raise tf.errors.InvalidArgumentError(None, None, "a real bug")
+            return x
+
+    net = network(Broken(), eager=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a real bug"):
+        net.fit(dataset(), epochs=1, verbose=0, callbacks=[AdaptiveBatchSize(verbose=0)])
+
+
+def test_is_out_of_memory():
+    assert _train_function.is_out_of_memory(tf.errors.ResourceExhaustedError(None, None, "x"))
+    assert _train_function.is_out_of_memory(
+        tf.errors.InternalError(None, None, "Dst tensor is not initialized.")
+    )
+    assert not _train_function.is_out_of_memory(tf.errors.InternalError(None, None, "cuDNN"))
+    assert not _train_function.is_out_of_memory(ValueError("out of memory"))
+
+
+class FakeMemory:
+    """Device memory of a model whose step peaks at base + per_row * micro-batch."""
+
+    def __init__(self, model, base=1000, per_row=100):
+        self.model, self.base, self.per_row = model, base, per_row
+        self.peaks = []
+
+    def current(self, device=None):
+        return self.base
+
+    def peak(self, device=None):
+        value = self.base + self.per_row * self.model.micro_batch_size
+        self.peaks.append(value)
+        return value
+
+
+@pytest.mark.parametrize(
+    "start, expected, kinds",
+    [
+        (4, 64, ["grow"] * 4),  # 4 -> 8 -> 16 -> 32 -> 64; 96 would peak at 10600
+        # The whole batch (96) peaks at 10600 > 8500: shrinks to 96 * 7500 / 9600;
+        # then 85 (halfway to 96) is predicted at 9500 and not tried.
+        (None, 75, ["start", "shrink"]),
+    ],
+)
+def test_headroom_grows_and_shrinks_the_micro_batch(monkeypatch, start, expected, kinds):
+    net = network(micro_batch_size=start)
+    fake = FakeMemory(net)
+    monkeypatch.setattr(kvram.callbacks.memory, "current_bytes", fake.current)
+    monkeypatch.setattr(kvram.callbacks.memory, "peak_bytes", fake.peak)
+    monkeypatch.setattr(kvram.callbacks.memory, "reset_peak", lambda device=None: None)
+    controller = AdaptiveBatchSize(memory_limit=10_000, target_utilization=0.85, verbose=0)
+    net.fit(dataset(N).repeat(12), epochs=1, verbose=0, callbacks=[controller])
+    assert net.micro_batch_size == expected
+    assert [e.kind for e in controller.events] == kinds
+    target = 0.85 * 10_000
+    after_last_change = fake.peaks[-3:]
+    assert all(p <= target for p in after_last_change)
+
+
+def test_headroom_with_real_cpu_allocator_stats():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    x = inputs
+    for _ in range(3):
+        x = keras.layers.Dense(512, activation="relu")(x)
+    net = kvram.Model(inputs, keras.layers.Dense(1)(x), micro_batch_size=8)
+    net.compile(optimizer="sgd", loss="mse")
+    data = tf.data.Dataset.from_tensors((tf.ones((1024, 64)), tf.ones((1024, 1)))).repeat(12)
+    with tf.device("CPU:0"):
+        roomy = AdaptiveBatchSize(memory_limit=2**30, device="CPU:0", verbose=0)
+        net.fit(data, epochs=1, verbose=0, callbacks=[roomy])
+        assert net.micro_batch_size > 8 and {e.kind for e in roomy.events} == {"grow"}
+        kvram.memory.reset_peak("CPU:0")
+        floor = kvram.memory.current_bytes("CPU:0")
+        tight = AdaptiveBatchSize(memory_limit=floor + 2**20, device="CPU:0", verbose=0)
+        grown = net.micro_batch_size
+        net.fit(data, epochs=1, verbose=0, callbacks=[tight])
+        assert net.micro_batch_size < grown and "shrink" in {e.kind for e in tight.events}
+
+
+def test_adaptive_batch_size_needs_a_kvram_model():
+    inputs = keras.Input((8,))
+    net = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    net.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(TypeError, match="needs a kvram.Model"):
+        net.fit(np.ones((8, 8)), np.ones((8, 1)), verbose=0, callbacks=[AdaptiveBatchSize()])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"min_micro_batch": 0}, ValueError, "min_micro_batch=0"),
+        ({"min_micro_batch": 8, "max_micro_batch": 4}, ValueError, "max_micro_batch=4"),
+        ({"target_utilization": 1.5}, ValueError, "target_utilization=1.5"),
+        ({"target_utilization": 0}, ValueError, "target_utilization=0"),
+        ({"memory_limit": "16G"}, TypeError, "memory_limit='16G'"),
+        ({"max_retries": -1}, ValueError, "max_retries=-1"),
+        ({"device": "TPU:0"}, ValueError, "device='TPU:0'"),
+    ],
+)
+def test_adaptive_batch_size_bad_arguments(kwargs, error, text):
+    with pytest.raises(error, match=text):
+        AdaptiveBatchSize(**kwargs)
+
+
+def test_one_controller_per_fit():
+    net = network()
+    with pytest.raises(ValueError, match="at most one AdaptiveBatchSize"):
+        net.fit(dataset(), verbose=0, callbacks=[AdaptiveBatchSize(), AdaptiveBatchSize()])
+
+
+# find_max_batch_size ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", [1, 2, 37, 100, 500, 700, 1023, 5000])
+@pytest.mark.parametrize("high", [1024, None])
+def test_find_max_batch_size_on_a_synthetic_cap(cap, high):
+    low, margin = 1, 0.1
+    if high is None and cap > 1024:
+        pytest.skip("unbounded growth is checked on smaller caps")
+    net = network(InjectedOOM(rows=cap), eager=True)
+    before = [v.numpy() for v in net.variables + net.optimizer.variables]
+    rng = np.random.default_rng(1)
+    sample = ((rng.standard_normal((10, 8)), np.arange(10.0)[:, None]), rng.standard_normal((10, 3)))
+    size, probes = find_max_batch_size(net, sample, low=low, high=high, margin=margin, verbose=0)
+    true_max = cap if high is None else min(cap, high)
+    assert size <= true_max and size >= (1 - margin) * true_max, (size, probes)
+    bound = math.ceil(math.log2((high or 2 * true_max) / low)) + 3
+    assert len(probes) <= bound, probes
+    assert all(p["fits"] == (p["size"] <= cap) for p in probes)
+    # The model is as before: weights, optimizer state and counters.
+    after = [v.numpy() for v in net.variables + net.optimizer.variables]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert net.micro_batch_size is None
+
+
+def test_find_max_batch_size_when_nothing_fits():
+    net = network(InjectedOOM(rows=3), eager=True)
+    sample = ((np.ones((2, 8)), np.zeros((2, 1))), np.ones((2, 3)))
+    with pytest.raises(RuntimeError, match="not even low=4 rows fit"):
+        find_max_batch_size(net, sample, low=4, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"low": 0}, ValueError, "low=0"),
+        ({"low": 8, "high": 4}, ValueError, "high=4"),
+        ({"margin": 1.0}, ValueError, "margin=1.0"),
+    ],
+)
+def test_find_max_batch_size_bad_arguments(kwargs, error, text):
+    net = network()
+    sample = ((np.ones((2, 8)), np.zeros((2, 1))), np.ones((2, 3)))
+    with pytest.raises(error, match=text):
+        find_max_batch_size(net, sample, verbose=0, **kwargs)
+
+
+# MemoryLogger ---------------------------------------------------------------------
+
+
+def test_memory_logger_writes_csv_tensorboard_and_png(tmp_path):
+    from matplotlib import image
+
+    oom = InjectedOOM(rows=5, fail_calls={40})
+    net = network(oom, eager=True)
+    logdir = tmp_path / "logs"
+    controller = AdaptiveBatchSize(verbose=0, device="CPU:0")
+    net.fit(
+        dataset(),
+        epochs=2,
+        verbose=0,
+        callbacks=[controller, MemoryLogger(logdir, device="CPU:0")],
+    )
+    steps = 2 * N // 16
+    with open(logdir / "memory.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == steps
+    assert tuple(rows[0]) == MemoryLogger.COLUMNS
+    assert all(int(r["peak_bytes"]) >= int(r["current_bytes"]) > 0 for r in rows)
+    sizes = [int(r["micro_batch_size"]) for r in rows]
+    # 16 -> 8 -> 4 in the first step; call 40 fails at 4, and 2 is used from then on.
+    assert sizes[0] == 4 and sizes[-1] == 2 and sizes == sorted(sizes, reverse=True)
+    assert all(float(r["skipped_steps"]) == 0 for r in rows)
+
+    with open(logdir / "events.csv") as handle:
+        events = list(csv.DictReader(handle))
+    assert [e["kind"] for e in events].count("oom") == controller.oom_count == 3
+    assert all(float(e["seconds_to_error"]) >= 0 for e in events if e["kind"] == "oom")
+
+    tags = {}
+    for name in os.listdir(logdir):
+        if name.startswith("events.out.tfevents"):
+            for event in tf.compat.v1.train.summary_iterator(str(logdir / name)):
+                for value in event.summary.value:
+                    tags.setdefault(value.tag, []).append(event.step)
+    assert tags["memory/peak_mib"] == list(range(steps))
+    assert tags["batch/micro_batch_size"] == list(range(steps))
+    assert "batch/loss" in tags and "memory/current_mib" in tags
+
+    png = image.imread(logdir / "memory.png")
+    assert png.ndim == 3 and png.shape[0] > 200 and png.shape[1] > 400
+    assert png.std() > 0.01  # not a blank canvas
+
+
+def test_memory_logger_bad_logdir():
+    with pytest.raises(TypeError, match="logdir=3"):
+        MemoryLogger(3)
