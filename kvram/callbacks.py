@@ -226,7 +226,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
             "shrink": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))} "
             f"over {self.target_utilization:.0%} of {_mib(self._limit)})",
         }[kind]
-        text = f"AdaptiveBatchSize: epoch {self._epoch + 1}, step {self._step + 1}: {message}"
+        text = f"AdaptiveBatchSize: step {self._step + 1} (epoch {self._epoch + 1}): {message}"
         _log.info(text)
         if self.verbose:
             io_utils.print_msg(text)
