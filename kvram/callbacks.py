@@ -52,16 +52,18 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
     (`kvram.Model.micro_batch_size`), so the update is the same whatever it picks.
 
     - Out of memory during a step: the step's state is restored, memory freed,
-      the micro-batch halved and **the same batch run again**, so no sample is
-      skipped or seen twice and `optimizer.iterations` counts real updates only.
-      The failing size becomes a ceiling for growth. At `min_micro_batch` the
+      the micro-batch set back to the largest size that has completed a step
+      (halved when there is none) and **the same batch run again**, so no
+      sample is skipped or seen twice and `optimizer.iterations` counts real
+      updates only. The failing size becomes a ceiling: it is not tried again
+      in this `fit()`. At `min_micro_batch` the
       batch is retried up to `max_retries` times in a row, then the error is
       raised with what was tried.
     - Headroom: after each step the device's peak is compared with
       `target_utilization * limit`. Above it the micro-batch shrinks to the size
-      predicted to fit; below it the micro-batch grows (doubling, or halfway to
-      the ceiling) when the predicted peak stays under the target. Predictions
-      scale the step's memory above its starting level linearly with rows. The
+      predicted to fit; below it the micro-batch grows to the size predicted to
+      fit, at most doubling and staying under the ceiling. Predictions scale the
+      step's memory above its starting level linearly with rows. The
       limit is `memory_limit`, else the logical GPU's `memory_limit`, else the
       GPU's total memory (NVML); on a CPU without `memory_limit` there is no
       headroom rule and only OOM errors shrink the micro-batch.
@@ -125,6 +127,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         self.oom_count = 0
         self._limit: int | None = None
         self._ceiling: int | None = None
+        self._good: int | None = None
         self._rows = 0
         self._step = 0
         self._epoch = 0
@@ -170,13 +173,14 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
             self._ceiling = size if self._ceiling is None else min(self._ceiling, size)
             self._change("shrink", size, new, peak_bytes=peak)
             return
+        if self._ceiling is None or size < self._ceiling:
+            self._good = max(self._good or 0, size)
         top = min(self._rows, self.max_micro_batch or self._rows)
         if self._ceiling is not None:
             top = min(top, self._ceiling - 1)
-        if size >= top:
-            return
-        new = min(2 * size, top) if self._ceiling is None else min((size + self._ceiling) // 2, top)
-        if new > size and self._start_bytes + used * new / size <= target:
+        predicted_fit = int(size * room / used) if room > 0 else size
+        new = min(top, 2 * size, predicted_fit)
+        if new > size:
             self._change("grow", size, new, peak_bytes=peak)
 
     # --- called by kvram.Model's training function ----------------------------
@@ -207,6 +211,8 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
                     "last completed step."
                 ) from error
             new = effective
+        elif self._good is not None and self._good < effective:
+            new = max(self.min_micro_batch, self._good)  # the largest size that worked
         else:
             new = max(self.min_micro_batch, effective // 2)
         self._change("oom", size, new, seconds_to_error=seconds)

@@ -252,9 +252,11 @@ class FakeMemory:
 @pytest.mark.parametrize(
     "start, expected, kinds",
     [
-        (4, 64, ["grow"] * 4),  # 4 -> 8 -> 16 -> 32 -> 64; 96 would peak at 10600
+        # 4 -> 8 -> 16 -> 32 -> 64 (at most doubling) -> 75, the size predicted to
+        # peak at the target (1000 + 100 * 75 = 8500); 96 would peak at 10600.
+        (4, 75, ["grow"] * 5),
         # The whole batch (96) peaks at 10600 > 8500: shrinks to 96 * 7500 / 9600;
-        # then 85 (halfway to 96) is predicted at 9500 and not tried.
+        # nothing larger is predicted to fit.
         (None, 75, ["start", "shrink"]),
     ],
 )

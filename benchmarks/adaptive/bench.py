@@ -33,7 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-PARTS = ("by_hand", "adaptive", "find", "fixed")
+PARTS = ("by_hand", "adaptive", "fixed", "find", "adaptive_async")
 
 
 def setup(limit_gib, smoke):
@@ -172,6 +172,13 @@ def part_adaptive(args):
     }
 
 
+def part_adaptive_async(args):
+    """`adaptive` with TF_GPU_ALLOCATOR=cuda_malloc_async (set by the parent)."""
+    record = part_adaptive(args)
+    record["allocator"] = os.environ.get("TF_GPU_ALLOCATOR")
+    return record
+
+
 def part_find(args):
     tf, keras, shape, classes = setup(args.limit_gib, args.smoke)
     import kvram
@@ -224,7 +231,7 @@ def main(argv=None):
     parser.add_argument("--precision", type=int, default=8)
     parser.add_argument("--rows", type=int, help="fixed part: batch rows (default: by_hand's)")
     parser.add_argument("--smoke", action="store_true", help="32x32 images, for a CPU check")
-    parser.add_argument("--timeout", type=int, default=560)
+    parser.add_argument("--timeout", type=int, default=560, help="seconds per part")
     parser.add_argument("--out", default="adaptive.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -253,17 +260,29 @@ def main(argv=None):
             command += ["--rows", str(rows)]
         print(f"== {part}: {' '.join(command[1:])}", flush=True)
         started = time.perf_counter()
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-            lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-            if lines:
-                record = json.loads(lines[-1][len("RESULT "):])
-            else:
-                record = {"error": f"exit {done.returncode}", "stderr_tail": done.stderr[-3000:]}
-            sys.stdout.write("".join(l + "\n" for l in done.stdout.splitlines()
-                                     if not l.startswith("RESULT ")))
-        except subprocess.TimeoutExpired:
-            record = {"error": f"timed out after {args.timeout} s"}
+        env = dict(os.environ)
+        if part == "adaptive_async":
+            env["TF_GPU_ALLOCATOR"] = "cuda_malloc_async"
+        log_path = f"{os.path.splitext(args.out)[0]}_{part}.log"
+        with open(log_path, "w") as log:
+            try:
+                done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      timeout=args.timeout)
+                returncode = done.returncode
+            except subprocess.TimeoutExpired:
+                returncode = None
+        with open(log_path) as log:
+            lines = log.read().splitlines()
+        results_lines = [l for l in lines if l.startswith("RESULT ")]
+        for line in lines:
+            if line.startswith(("AdaptiveBatchSize", "find_max", "by_hand")):
+                print(line, flush=True)
+        if results_lines:
+            record = json.loads(results_lines[-1][len("RESULT "):])
+        elif returncode is None:
+            record = {"error": f"timed out after {args.timeout} s", "log_tail": lines[-30:]}
+        else:
+            record = {"error": f"exit {returncode}", "log_tail": lines[-30:]}
         record["wall_seconds"] = time.perf_counter() - started
         results[part] = record
         print(json.dumps({k: v for k, v in record.items() if k not in ("probes", "events")}),
