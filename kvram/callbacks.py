@@ -63,7 +63,8 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
       `target_utilization * limit`. Above it the micro-batch shrinks to the size
       predicted to fit; below it the micro-batch grows to the size predicted to
       fit, at most doubling and staying under the ceiling. Predictions scale the
-      step's memory above its starting level linearly with rows. The
+      step's memory above its starting level linearly with rows. Above a size
+      that failed, growth bisects towards it and stops within 1/16 of it. The
       limit is `memory_limit`, else the logical GPU's `memory_limit`, else the
       GPU's total memory (NVML); on a CPU without `memory_limit` there is no
       headroom rule and only OOM errors shrink the micro-batch.
@@ -180,6 +181,12 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
             top = min(top, self._ceiling - 1)
         predicted_fit = int(size * room / used) if room > 0 else size
         new = min(top, 2 * size, predicted_fit)
+        if self._ceiling is not None:
+            # A size failed above: bisect towards it, and stop when the gain
+            # left is under 1/16 (an OOM costs more than it would win).
+            new = min(new, (size + self._ceiling) // 2)
+            if self._ceiling - size <= max(1, size // 16):
+                return
         if new > size:
             self._change("grow", size, new, peak_bytes=peak)
 
@@ -227,7 +234,8 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         self.events.append(event)
         message = {
             "start": f"micro-batch {new}",
-            "oom": f"out of memory at micro-batch {old}; running the same batch again at {new}",
+            "oom": f"out of memory at micro-batch {old} (raised after "
+            f"{details.get('seconds_to_error', 0):.1f} s); running the same batch again at {new}",
             "grow": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))})",
             "shrink": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))} "
             f"over {self.target_utilization:.0%} of {_mib(self._limit)})",

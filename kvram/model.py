@@ -312,6 +312,11 @@ class Model(keras.Model):
 
         first = slice_at(tf.constant(0, dtype=rows.dtype))
         present = [i for i, g in enumerate(first) if g is not None]
+        # The loop's first slice may start only when this one's backward pass is
+        # done; without this edge TF's executor runs both at once (two slices of
+        # activations in memory), since they share no data.
+        with tf.control_dependencies([first[i] for i in present]):
+            second_start = tf.identity(m)
 
         def body(start, sums):
             gradients = slice_at(start)
@@ -320,7 +325,7 @@ class Model(keras.Model):
         _, sums = tf.while_loop(
             lambda start, _: start < rows,
             body,
-            (m, [first[i] for i in present]),
+            (second_start, [first[i] for i in present]),
             parallel_iterations=1,  # one slice in memory at a time
         )
         gradients = [None] * len(first)
