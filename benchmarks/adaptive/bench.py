@@ -33,7 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-PARTS = ("by_hand", "adaptive", "fixed", "find", "adaptive_async")
+PARTS = ("by_hand", "adaptive", "fixed", "find", "adaptive_async", "micro")
 
 
 def setup(limit_gib, smoke):
@@ -207,6 +207,25 @@ def part_fixed(args):
             "timed_steps": args.steps - 4}
 
 
+def part_micro(args):
+    """kvram.Model at a fixed micro-batch (`--micro`, 0: none) on batches of `--rows`:
+    what slicing costs, against `fixed` (plain Keras) in the same run."""
+    tf, keras, shape, classes = setup(args.limit_gib, args.smoke)
+    import kvram
+
+    model = resnet(keras, shape, classes, kvram_model=True)
+    model.micro_batch_size = args.micro or None
+    compile_model(keras, model)
+    x, y = batch_of(tf, shape, classes, args.rows)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps)
+    clock = StepClock(keras)
+    kvram.memory.reset_peak("GPU:0")
+    model.fit(data, epochs=1, verbose=0, callbacks=[clock.callback])
+    return {"batch_rows": args.rows, "micro_batch_size": args.micro or None, "steps": args.steps,
+            "img_per_s": clock.rate(args.rows, 3), "timed_steps": args.steps - 4,
+            "peak_bytes": kvram.memory.peak_bytes("GPU:0")}
+
+
 def environment():
     info = {"python": platform.python_version(), "host": platform.node()}
     try:
@@ -221,6 +240,14 @@ def environment():
     return info
 
 
+def _commit():
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=PARTS, action="append")
@@ -229,7 +256,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--low", type=int, default=16)
     parser.add_argument("--precision", type=int, default=8)
-    parser.add_argument("--rows", type=int, help="fixed part: batch rows (default: by_hand's)")
+    parser.add_argument("--rows", type=int, help="fixed/micro parts: batch rows (default: by_hand's)")
+    parser.add_argument("--micro", type=int, default=0, help="micro part: micro-batch (0: none)")
     parser.add_argument("--smoke", action="store_true", help="32x32 images, for a CPU check")
     parser.add_argument("--timeout", type=int, default=560, help="seconds per part")
     parser.add_argument("--out", default="adaptive.json")
@@ -252,6 +280,9 @@ def main(argv=None):
                    "--precision", str(args.precision)]
         if args.smoke:
             command.append("--smoke")
+        key = part if part != "micro" else f"micro_{args.rows}_{args.micro or 'none'}"
+        if part == "micro":
+            command += ["--rows", str(args.rows), "--micro", str(args.micro)]
         if part == "fixed":
             rows = args.rows or results.get("by_hand", {}).get("true_max_rows")
             if rows is None:
@@ -263,7 +294,7 @@ def main(argv=None):
         env = dict(os.environ)
         if part == "adaptive_async":
             env["TF_GPU_ALLOCATOR"] = "cuda_malloc_async"
-        log_path = f"{os.path.splitext(args.out)[0]}_{part}.log"
+        log_path = f"{os.path.splitext(args.out)[0]}_{key}.log"
         with open(log_path, "w") as log:
             try:
                 done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -284,7 +315,8 @@ def main(argv=None):
         else:
             record = {"error": f"exit {returncode}", "log_tail": lines[-30:]}
         record["wall_seconds"] = time.perf_counter() - started
-        results[part] = record
+        record["commit"] = _commit()
+        results[key] = record
         print(json.dumps({k: v for k, v in record.items() if k not in ("probes", "events")}),
               flush=True)
         with open(args.out, "w") as handle:
