@@ -219,11 +219,12 @@ def part_micro(args):
     x, y = batch_of(tf, shape, classes, args.rows)
     data = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps)
     clock = StepClock(keras)
-    kvram.memory.reset_peak("GPU:0")
+    device = kvram.memory._device_name(None)
+    kvram.memory.reset_peak(device)
     model.fit(data, epochs=1, verbose=0, callbacks=[clock.callback])
     return {"batch_rows": args.rows, "micro_batch_size": args.micro or None, "steps": args.steps,
             "img_per_s": clock.rate(args.rows, 3), "timed_steps": args.steps - 4,
-            "peak_bytes": kvram.memory.peak_bytes("GPU:0")}
+            "peak_bytes": kvram.memory.peak_bytes(device), "device": device}
 
 
 def environment():
