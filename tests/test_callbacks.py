@@ -425,3 +425,25 @@ def test_memory_logger_writes_csv_tensorboard_and_png(tmp_path):
 def test_memory_logger_bad_logdir():
     with pytest.raises(TypeError, match="logdir=3"):
         MemoryLogger(3)
+
+
+def test_growth_bisects_towards_a_failed_size_and_stops_near_it(monkeypatch):
+    """After an OOM at 64 with 32 known good, growth goes 32 -> 48 -> 56 -> 60 -> 62
+    and stops there (64 - 62 <= 62 / 16): no size at or above 64 is tried again."""
+    net = network(micro_batch_size=64)
+    fake = FakeMemory(net, base=0, per_row=1)  # memory predicts everything fits
+    monkeypatch.setattr(kvram.callbacks.memory, "current_bytes", fake.current)
+    monkeypatch.setattr(kvram.callbacks.memory, "peak_bytes", fake.peak)
+    monkeypatch.setattr(kvram.callbacks.memory, "reset_peak", lambda device=None: None)
+    controller = AdaptiveBatchSize(memory_limit=10**9, verbose=0)
+    controller.set_model(net)
+    controller.on_train_begin()
+    controller._rows, controller._good, controller._measure_next = 96, 32, True
+    assert controller.recover(net, RuntimeError("oom"), 64, 96, 0.0) == 32
+    sizes = []
+    for _ in range(8):
+        controller._measure_next = True
+        controller.on_train_batch_begin(0)
+        controller.on_train_batch_end(0)
+        sizes.append(net.micro_batch_size)
+    assert sizes[:4] == [48, 56, 60, 62] and set(sizes[3:]) == {62}
