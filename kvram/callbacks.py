@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from typing import NamedTuple
 
 import keras
@@ -417,7 +418,8 @@ class MemoryLogger(keras.callbacks.Callback):
     - `events.csv`: AdaptiveBatchSize's changes (OOM recoveries, grow, shrink).
     - `memory.png` at the end of training: current and peak MiB per step, OOM
       recoveries as red lines, micro-batch changes as grey lines, and the
-      micro-batch size on a second axis (matplotlib, imported then).
+      micro-batch size on a second axis (matplotlib, imported then; without it
+      a warning says the PNG was not written).
 
     Args:
         logdir: directory to write to (created if missing).
@@ -508,7 +510,15 @@ class MemoryLogger(keras.callbacks.Callback):
             for event in events:
                 writer.writerow(event.as_dict())
         if self.plot:
-            self.plot_timeline(os.path.join(self.logdir, "memory.png"), events)
+            try:
+                self.plot_timeline(os.path.join(self.logdir, "memory.png"), events)
+            except ImportError:
+                warnings.warn(
+                    "MemoryLogger: matplotlib is not installed, so memory.png was not "
+                    "written (pip install matplotlib, or kvram[plot]); the CSV and "
+                    "TensorBoard logs are complete.",
+                    stacklevel=2,
+                )
 
     def _events(self) -> list:
         controller = getattr(self.model, "_batch_controller", None)

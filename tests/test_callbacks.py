@@ -447,3 +447,20 @@ def test_growth_bisects_towards_a_failed_size_and_stops_near_it(monkeypatch):
         controller.on_train_batch_end(0)
         sizes.append(net.micro_batch_size)
     assert sizes[:4] == [48, 56, 60, 62] and set(sizes[3:]) == {62}
+
+
+def test_memory_logger_without_matplotlib_warns_and_keeps_the_logs(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    net = network()
+    with pytest.warns(UserWarning, match="matplotlib is not installed"):
+        net.fit(dataset(), epochs=1, verbose=0, callbacks=[MemoryLogger(tmp_path, device="CPU:0")])
+    assert (tmp_path / "memory.csv").is_file() and not (tmp_path / "memory.png").exists()
