@@ -63,7 +63,9 @@ class CountSamples(keras.layers.Layer):
         return ids
 
 
-def network(oom=None, eager=False, accumulation_steps=1, micro_batch_size=None, metrics=True):
+def network(
+    oom=None, eager=False, accumulation_steps=1, micro_batch_size=None, metrics=True, width=16
+):
     """Dense net on (features, id); the id only feeds the sample counter.
 
     The counter runs before the OOM layer, so every failed attempt has already
@@ -73,7 +75,7 @@ def network(oom=None, eager=False, accumulation_steps=1, micro_batch_size=None, 
     features = keras.Input((8,), name="features")
     ids = keras.Input((1,), name="id")
     count = CountSamples(N, name="count")(ids)
-    x = keras.layers.Dense(16, activation="tanh")(features)
+    x = keras.layers.Dense(width, activation="tanh")(features)
     if oom is not None:
         x = oom(x)
     x = keras.layers.Dense(3)(x)
@@ -382,7 +384,7 @@ def test_memory_logger_writes_csv_tensorboard_and_png(tmp_path):
     from matplotlib import image
 
     oom = InjectedOOM(rows=5, fail_calls={40})
-    net = network(oom, eager=True)
+    net = network(oom, eager=True, width=4096)  # large enough for the CPU allocator's counts
     logdir = tmp_path / "logs"
     controller = AdaptiveBatchSize(verbose=0, device="CPU:0")
     net.fit(
@@ -396,7 +398,10 @@ def test_memory_logger_writes_csv_tensorboard_and_png(tmp_path):
         rows = list(csv.DictReader(handle))
     assert len(rows) == steps
     assert tuple(rows[0]) == MemoryLogger.COLUMNS
-    assert all(int(r["peak_bytes"]) >= int(r["current_bytes"]) > 0 for r in rows)
+    # TF's CPU allocator counts only its larger allocations: the first step's
+    # 16-row attempt shows; the 4-row slices after it may not.
+    assert all(int(r["peak_bytes"]) >= int(r["current_bytes"]) >= 0 for r in rows)
+    assert int(rows[0]["peak_bytes"]) >= 16 * 4096 * 4
     sizes = [int(r["micro_batch_size"]) for r in rows]
     # 16 -> 8 -> 4 in the first step; call 40 fails at 4, and 2 is used from then on.
     assert sizes[0] == 4 and sizes[-1] == 2 and sizes == sorted(sizes, reverse=True)
