@@ -1,0 +1,597 @@
+"""Datasets larger than RAM: `.npy` shards on disk, read through `numpy.memmap`
+into `tf.data` at the speed of the disk.
+
+Format (a directory):
+
+- one `.npy` file per field per shard, named `{field}-{shard:05d}.npy`;
+- `index.json`: `{"format": "kvram-shards", "version": 1, "samples": N,
+  "fields": {name: {"dtype": "<f4", "shape": [...per-sample...]}},
+  "shards": [{"samples": n, "files": {name: {"name": ..., "bytes": ...,
+  "sha256": ... or null}}}]}`.
+
+No pickle anywhere (`allow_pickle=False`); file names in the index are plain
+names inside the directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+from typing import Iterable, Mapping
+
+import numpy as np
+
+__all__ = ["write_shards", "ShardedDataset", "ShardError", "FORMAT", "VERSION"]
+
+FORMAT = "kvram-shards"
+VERSION = 1
+INDEX = "index.json"
+_HASH_CHUNK = 16 * 2**20
+
+
+class ShardError(ValueError):
+    """A shard directory that does not match its index. `path` names the file."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _as_fields(batch, names) -> dict:
+    """A batch (array, tuple/list of arrays, or dict) as {field: array}."""
+    if isinstance(batch, Mapping):
+        fields = {str(k): np.asarray(v) for k, v in batch.items()}
+        if names is not None:
+            missing = [n for n in names if n not in fields]
+            if missing:
+                raise ValueError(
+                    f"`fields` names {missing} that the source does not have. "
+                    f"Received: fields={list(names)}, source fields={list(fields)}"
+                )
+            fields = {n: fields[n] for n in names}
+        return fields
+    if isinstance(batch, (tuple, list)):
+        arrays = [np.asarray(v) for v in batch]
+        default = ("x", "y", "sample_weight")[: len(arrays)] if len(arrays) <= 3 else None
+        names = names or default or tuple(f"f{i}" for i in range(len(arrays)))
+        if len(names) != len(arrays):
+            raise ValueError(
+                f"`fields` must name each of the source's {len(arrays)} arrays. "
+                f"Received: fields={list(names)}"
+            )
+        return dict(zip(names, arrays))
+    names = names or ("x",)
+    if len(names) != 1:
+        raise ValueError(f"A single array needs one field name. Received: fields={list(names)}")
+    return {names[0]: np.asarray(batch)}
+
+
+def _batches(source, names) -> tuple[Iterable[dict], int | None]:
+    """(iterator of {field: array} batches, total samples or None)."""
+    if isinstance(source, (np.ndarray, Mapping, tuple, list)):
+        fields = _as_fields(source, names)
+        return iter([fields]), _rows(fields)
+    if hasattr(source, "__iter__"):
+        return (_as_fields(b, names) for b in source), None
+    raise TypeError(
+        "`source` must be an array, a tuple or dict of arrays, or an iterable of such "
+        f"batches. Received: {type(source).__name__}"
+    )
+
+
+def _rows(fields: dict) -> int:
+    counts = {name: (a.shape[0] if a.ndim else None) for name, a in fields.items()}
+    if any(c is None for c in counts.values()):
+        raise ValueError(f"Every field needs a leading sample axis. Received shapes: "
+                         f"{ {n: a.shape for n, a in fields.items()} }")
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"All fields must hold the same number of samples. Received: {counts}")
+    return next(iter(counts.values()))
+
+
+def write_shards(
+    source,
+    directory,
+    samples_per_shard: int = 65536,
+    fields=None,
+    checksum: bool = True,
+    overwrite: bool = False,
+    verbose: int = 1,
+) -> "ShardedDataset":
+    """Writes `source` to `directory` as `.npy` shards plus `index.json`.
+
+    Args:
+        source: an array (one field, "x"), a tuple/list of arrays (fields "x",
+            "y", "sample_weight" unless `fields` names them), a dict of arrays,
+            or an iterable of such batches, so that a dataset larger than RAM is
+            written in one pass with one shard in memory at a time.
+        directory: where to write; must not exist unless `overwrite=True`.
+        samples_per_shard: int >= 1, samples per shard file (the last may hold fewer).
+        fields: None or names for the source's arrays (for a dict: which keys, in order).
+        checksum: store each file's SHA-256 (checked by `ShardedDataset.verify`).
+        overwrite: replace an existing directory (only once the new one is complete).
+        verbose: 0 or 1, progress bar.
+
+    The write is atomic: shards and index go to a temporary directory next to
+    `directory`, which is renamed into place only when complete, so a crash
+    leaves no index pointing at half-written shards.
+
+    Returns:
+        The `ShardedDataset` opened on `directory`.
+    """
+    from kvram import _checks
+
+    samples_per_shard = _checks.positive_int("samples_per_shard", samples_per_shard)
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(directory) and not overwrite:
+        raise FileExistsError(
+            f"{directory} exists; pass overwrite=True to replace it. Received: directory={directory!r}"
+        )
+    names = None if fields is None else tuple(str(f) for f in fields)
+    batches, total = _batches(source, names)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.partial-", dir=parent)
+    try:
+        index = _write_into(staging, batches, total, samples_per_shard, checksum, verbose)
+        with open(os.path.join(staging, INDEX), "w") as handle:
+            json.dump(index, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.path.exists(directory):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
+            os.replace(directory, os.path.join(old, "d"))
+            os.replace(staging, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ShardedDataset(directory)
+
+
+def _write_into(staging, batches, total, samples_per_shard, checksum, verbose) -> dict:
+    from keras.utils import Progbar
+
+    progress = Progbar(total, unit_name="sample") if verbose else None
+    spec: dict | None = None
+    shards: list[dict] = []
+    pending: list[dict] = []
+    pending_rows = 0
+    written = 0
+
+    def flush(rows: int) -> None:
+        nonlocal pending, pending_rows, written
+        joined = {
+            name: np.concatenate([p[name] for p in pending]) if len(pending) > 1 else pending[0][name]
+            for name in spec
+        }
+        shard, rest = {n: a[:rows] for n, a in joined.items()}, {n: a[rows:] for n, a in joined.items()}
+        files = {}
+        for name, array in shard.items():
+            file_name = f"{name}-{len(shards):05d}.npy"
+            path = os.path.join(staging, file_name)
+            np.save(path, np.ascontiguousarray(array), allow_pickle=False)
+            files[name] = {
+                "name": file_name,
+                "bytes": os.path.getsize(path),
+                "sha256": _sha256(path) if checksum else None,
+            }
+        shards.append({"samples": rows, "files": files})
+        written += rows
+        pending = [rest] if len(next(iter(rest.values()))) else []
+        pending_rows -= rows
+        if progress is not None:
+            progress.update(written)
+
+    for batch in batches:
+        rows = _rows(batch)
+        if spec is None:
+            spec = {
+                name: {"dtype": _dtype_str(a.dtype), "shape": list(a.shape[1:])}
+                for name, a in batch.items()
+            }
+        else:
+            _check_batch(batch, spec)
+        if rows == 0:
+            continue
+        pending.append(batch)
+        pending_rows += rows
+        while pending_rows >= samples_per_shard:
+            flush(samples_per_shard)
+    if spec is None:
+        raise ValueError("`source` holds no batches: nothing to write.")
+    if pending_rows:
+        flush(pending_rows)
+    if progress is not None and total is None:
+        progress.target = written
+        progress.update(written, finalize=True)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "samples": written,
+        "fields": spec,
+        "shards": shards,
+    }
+
+
+def _dtype_str(dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype.hasobject or dtype.fields is not None or dtype.kind in "OV":
+        raise TypeError(
+            f"Shards hold plain numeric or boolean arrays. Received: dtype={dtype} "
+            "(objects and structured dtypes would need pickle)"
+        )
+    return dtype.str
+
+
+def _check_batch(batch: dict, spec: dict) -> None:
+    if set(batch) != set(spec):
+        raise ValueError(f"A batch has fields {sorted(batch)}, the first had {sorted(spec)}.")
+    for name, array in batch.items():
+        if _dtype_str(array.dtype) != spec[name]["dtype"] or list(array.shape[1:]) != spec[name]["shape"]:
+            raise ValueError(
+                f"Field {name!r} changed between batches: dtype {array.dtype}, per-sample shape "
+                f"{list(array.shape[1:])}; the first batch had {spec[name]['dtype']}, "
+                f"{spec[name]['shape']}."
+            )
+
+
+def _sha256(path: str, progress=None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while True:
+            chunk = handle.read(_HASH_CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Shard:
+    def __init__(self, start: int, samples: int, paths: dict):
+        self.start, self.samples, self.paths = start, samples, paths
+        self._arrays: dict | None = None
+        self._lock = threading.Lock()
+
+    def arrays(self) -> dict:
+        if self._arrays is None:
+            with self._lock:
+                if self._arrays is None:
+                    self._arrays = {
+                        name: np.load(path, mmap_mode="r", allow_pickle=False)
+                        for name, path in self.paths.items()
+                    }
+        return self._arrays
+
+
+class ShardedDataset:
+    """A shard directory written by `write_shards`, validated at open time.
+
+    Opening reads `index.json` and every shard's `.npy` header (not its data) and
+    checks: the index's format and version, plain file names inside the
+    directory, each file present, its dtype, per-sample shape and sample count
+    as the index says, C order, and its size on disk (a truncated file fails
+    here, not in the middle of an epoch). Errors are `ShardError`s naming the file.
+
+    Args:
+        directory: the shard directory.
+
+    Example:
+    ```python
+    data = kvram.data.ShardedDataset("shards/")
+    model.fit(data.to_tf_dataset(batch_size=256, shuffle=True), epochs=10)
+    ```
+    """
+
+    def __init__(self, directory):
+        self.directory = os.path.abspath(os.fspath(directory))
+        index_path = os.path.join(self.directory, INDEX)
+        if not os.path.isdir(self.directory):
+            raise ShardError(self.directory, "no such shard directory")
+        try:
+            with open(index_path) as handle:
+                index = json.load(handle)
+        except FileNotFoundError:
+            raise ShardError(index_path, "missing: not a kvram shard directory") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ShardError(index_path, f"not valid JSON ({error})") from None
+        self.index = index
+        self.fields = self._check_index(index, index_path)
+        self._shards = self._check_shards(index, index_path)
+        self._starts = np.array([s.start for s in self._shards] + [len(self)], dtype=np.int64)
+
+    # -- validation
+    def _check_index(self, index, index_path) -> dict:
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise ShardError(index_path, f"not a {FORMAT!r} index (format={index.get('format') if isinstance(index, dict) else None!r})")
+        if index.get("version") != VERSION:
+            raise ShardError(index_path, f"format version {index.get('version')!r}; this kvram reads {VERSION}")
+        fields = index.get("fields")
+        if not isinstance(fields, dict) or not fields:
+            raise ShardError(index_path, "'fields' must map field names to dtype and shape")
+        spec = {}
+        for name, entry in fields.items():
+            try:
+                dtype = np.dtype(entry["dtype"])
+                shape = tuple(int(d) for d in entry["shape"])
+                _dtype_str(dtype)
+            except (KeyError, TypeError, ValueError) as error:
+                raise ShardError(index_path, f"field {name!r}: bad dtype/shape ({error})") from None
+            spec[name] = (dtype, shape)
+        if not isinstance(index.get("shards"), list):
+            raise ShardError(index_path, "'shards' must be a list")
+        return spec
+
+    def _check_shards(self, index, index_path) -> list:
+        shards, start = [], 0
+        for number, entry in enumerate(index["shards"]):
+            try:
+                samples = int(entry["samples"])
+                files = entry["files"]
+            except (KeyError, TypeError, ValueError):
+                raise ShardError(index_path, f"shard {number}: needs 'samples' and 'files'") from None
+            if set(files) != set(self.fields):
+                raise ShardError(index_path, f"shard {number}: files for {sorted(files)}, fields are {sorted(self.fields)}")
+            paths = {}
+            for name, info in files.items():
+                paths[name] = self._check_file(index_path, number, name, info, samples)
+            shards.append(_Shard(start, samples, paths))
+            start += samples
+        if int(index.get("samples", -1)) != start:
+            raise ShardError(index_path, f"'samples' says {index.get('samples')!r} but the shards hold {start}")
+        return shards
+
+    def _check_file(self, index_path, number, name, info, samples) -> str:
+        file_name = info.get("name") if isinstance(info, dict) else None
+        if (
+            not isinstance(file_name, str)
+            or not file_name
+            or file_name in (".", "..")
+            or os.path.basename(file_name) != file_name
+            or "/" in file_name
+            or "\\" in file_name
+        ):
+            raise ShardError(index_path, f"shard {number}, field {name!r}: file name {file_name!r} is not a plain name inside the directory")
+        path = os.path.join(self.directory, file_name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            raise ShardError(path, "missing (listed in the index)" if not os.path.lexists(path) else "not a regular file")
+        dtype, shape = self.fields[name]
+        try:
+            with open(path, "rb") as handle:
+                version = np.lib.format.read_magic(handle)
+                if version == (1, 0):
+                    header = np.lib.format.read_array_header_1_0(handle)
+                elif version == (2, 0):
+                    header = np.lib.format.read_array_header_2_0(handle)
+                else:
+                    raise ValueError(f"unsupported .npy version {version}")
+                offset = handle.tell()
+        except (ValueError, OSError) as error:
+            raise ShardError(path, f"not a valid .npy file ({error})") from None
+        file_shape, fortran, file_dtype = header
+        if fortran:
+            raise ShardError(path, "stored in Fortran order; shards are C order")
+        if file_dtype != dtype:
+            raise ShardError(path, f"dtype {file_dtype.str}, the index says {dtype.str} for field {name!r}")
+        if tuple(file_shape[1:]) != shape:
+            raise ShardError(path, f"per-sample shape {tuple(file_shape[1:])}, the index says {shape} for field {name!r}")
+        if not file_shape or file_shape[0] != samples:
+            raise ShardError(path, f"holds {file_shape[0] if file_shape else 0} samples, the index says {samples}")
+        expected = offset + samples * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        actual = os.path.getsize(path)
+        if actual != expected:
+            raise ShardError(path, f"{actual} bytes on disk, {expected} expected: truncated or padded")
+        if info.get("bytes") is not None and int(info["bytes"]) != actual:
+            raise ShardError(path, f"{actual} bytes on disk, the index says {info['bytes']}")
+        return path
+
+    # -- information
+    def __len__(self) -> int:
+        return int(self.index["samples"])
+
+    @property
+    def element_spec(self) -> dict:
+        """{field: tf.TensorSpec} of one sample."""
+        import tensorflow as tf
+
+        return {name: tf.TensorSpec(shape, tf.as_dtype(dtype)) for name, (dtype, shape) in self.fields.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of sample data (headers excluded)."""
+        return sum(len(self) * int(np.prod(s, dtype=np.int64)) * d.itemsize for d, s in self.fields.values())
+
+    def verify(self, verbose: int = 1) -> None:
+        """Checks every file's SHA-256 against the index; raises `ShardError` naming
+        the first file that differs. Files written without checksums are skipped."""
+        from keras.utils import Progbar
+
+        jobs = []
+        for number, entry in enumerate(self.index["shards"]):
+            for name, info in entry["files"].items():
+                if info.get("sha256"):
+                    jobs.append((os.path.join(self.directory, info["name"]), info["sha256"]))
+        total = sum(os.path.getsize(path) for path, _ in jobs)
+        progress = Progbar(total, unit_name="byte") if verbose and total else None
+        done = [0]
+
+        def advance(count):
+            done[0] += count
+            if progress is not None:
+                progress.update(done[0])
+
+        for path, expected in jobs:
+            actual = _sha256(path, advance)
+            if actual != expected:
+                raise ShardError(path, f"checksum mismatch: sha256 {actual}, the index says {expected}")
+
+    def read(self, start: int, stop: int, fields=None) -> dict:
+        """Samples [start, stop) as {field: array}; views into the memmaps when the
+        range lies in one shard, else a concatenated copy."""
+        names = list(self.fields) if fields is None else list(fields)
+        first = int(np.searchsorted(self._starts, start, side="right") - 1)
+        pieces = {n: [] for n in names}
+        position = start
+        shard_number = first
+        while position < stop:
+            shard = self._shards[shard_number]
+            local_start = position - shard.start
+            local_stop = min(stop, shard.start + shard.samples) - shard.start
+            arrays = shard.arrays()
+            for n in names:
+                pieces[n].append(arrays[n][local_start:local_stop])
+            position = shard.start + local_stop
+            shard_number += 1
+        return {n: p[0] if len(p) == 1 else np.concatenate(p) for n, p in pieces.items()}
+
+    # -- tf.data
+    def to_tf_dataset(
+        self,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int | None = None,
+        drop_remainder: bool = False,
+        repeat: bool = False,
+        num_parallel_reads=-1,
+        prefetch=-1,
+        device: str | None = None,
+        fields=None,
+        block_size: int | None = None,
+    ):
+        """A `tf.data.Dataset` of batches read from the memmapped shards.
+
+        Without shuffling each batch is one contiguous range of samples (a view
+        of the memmap handed to TF when it lies in one shard). With shuffling,
+        samples are cut into contiguous blocks of `block_size` rows (default
+        batch_size // 8, at least 1), the blocks are put in a new random order
+        every epoch, across shards, and each batch takes consecutive blocks of
+        that order: rows from about 8 random places, read in runs rather than
+        row by row. Every sample appears exactly once per epoch; the same `seed`
+        gives the same sequence of epochs.
+
+        Args:
+            batch_size: int >= 1.
+            shuffle: new block order every epoch (every iteration over the dataset).
+            seed: None or int, for reproducible orders.
+            drop_remainder: drop the last, short batch.
+            repeat: repeat forever (each epoch reshuffled).
+            num_parallel_reads: batches read in parallel (-1: tf.data.AUTOTUNE).
+            prefetch: batches prefetched (-1: AUTOTUNE, 0: none).
+            device: None or e.g. "GPU:0", to prefetch batches onto that device.
+            fields: None (all fields, as a tuple in index order; a single field
+                alone), a field name, or a list of names (a tuple in that order).
+            block_size: None or int >= 1, rows per shuffled block.
+
+        Returns:
+            A dataset with known cardinality (`assert_cardinality`), so Keras
+            counts steps exactly.
+        """
+        import tensorflow as tf
+
+        from kvram import _checks
+
+        batch_size = _checks.positive_int("batch_size", batch_size)
+        block_size = _checks.positive_int("block_size", block_size, allow_none=True)
+        names = self._field_names(fields)
+        total = len(self)
+        batches = total // batch_size if drop_remainder else math.ceil(total / batch_size)
+        if batches == 0:
+            raise ValueError(
+                f"No batch to read: {total} samples, batch_size={batch_size}, "
+                f"drop_remainder={drop_remainder}."
+            )
+        dtypes = [tf.as_dtype(self.fields[n][0]) for n in names]
+        block = block_size or max(1, batch_size // 8)
+        plan = functools.lru_cache(maxsize=4)(functools.partial(self._epoch_plan, block))
+
+        def read_batch(epoch_seed, number):
+            start = int(number) * batch_size
+            stop = min(start + batch_size, total)
+            if not shuffle:
+                arrays = self.read(start, stop, names)
+                return [arrays[n] for n in names]
+            blocks, ends = plan(int(epoch_seed))
+            first = int(np.searchsorted(ends, start, side="right"))
+            last = int(np.searchsorted(ends, stop - 1, side="right"))
+            parts = {n: [] for n in names}
+            for b in range(first, last + 1):
+                block_start, block_stop = blocks[b]
+                offset = ends[b] - (block_stop - block_start)  # position of the block in the order
+                lo = block_start + max(0, start - offset)
+                hi = block_start + min(block_stop - block_start, stop - offset)
+                piece = self.read(lo, hi, names)
+                for n in names:
+                    parts[n].append(piece[n])
+            return [np.concatenate(parts[n]) if len(parts[n]) > 1 else parts[n][0] for n in names]
+
+        def to_batch(epoch_seed, number):
+            tensors = tf.numpy_function(read_batch, [epoch_seed, number], dtypes, stateful=False)
+            rows = batch_size if drop_remainder else None
+            out = []
+            for tensor, name in zip(tensors, names):
+                tensor.set_shape((rows,) + self.fields[name][1])
+                out.append(tensor)
+            return out[0] if len(out) == 1 else tuple(out)
+
+        if shuffle:
+            seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+            if not repeat:
+                seeds = seeds.take(1)
+            dataset = seeds.flat_map(
+                lambda s: tf.data.Dataset.range(batches).map(lambda i: (s, i))
+            )
+        else:
+            dataset = tf.data.Dataset.range(batches).map(lambda i: (tf.constant(0, tf.int64), i))
+            if repeat:
+                dataset = dataset.repeat()
+        dataset = dataset.map(to_batch, num_parallel_calls=num_parallel_reads, deterministic=True)
+        if not repeat:
+            dataset = dataset.apply(tf.data.experimental.assert_cardinality(batches))
+        if device is not None:
+            dataset = dataset.apply(tf.data.experimental.prefetch_to_device(device))
+        elif prefetch:
+            dataset = dataset.prefetch(prefetch)
+        return dataset
+
+    def _field_names(self, fields) -> list:
+        if fields is None:
+            return list(self.fields)
+        names = [fields] if isinstance(fields, str) else list(fields)
+        unknown = [n for n in names if n not in self.fields]
+        if unknown or not names:
+            raise ValueError(f"Unknown fields {unknown}; this dataset has {list(self.fields)}. Received: fields={fields!r}")
+        return names
+
+    def _epoch_plan(self, block: int, epoch_seed: int):
+        """(blocks as [start, stop) rows in a random order, cumulative ends) for one epoch.
+
+        Blocks never cross a shard boundary, so each is one memmap slice.
+        """
+        starts = [np.arange(s.start, s.start + s.samples, block, dtype=np.int64) for s in self._shards]
+        starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+        shard_ends = self._starts[1:][np.searchsorted(self._starts, starts, side="right") - 1]
+        stops = np.minimum(starts + block, shard_ends)
+        order = np.random.default_rng(epoch_seed).permutation(len(starts))
+        blocks = np.stack([starts[order], stops[order]], axis=1)
+        ends = np.cumsum(blocks[:, 1] - blocks[:, 0])
+        return blocks, ends
+
+    def __repr__(self) -> str:
+        return (f"ShardedDataset({self.directory!r}: {len(self)} samples in {len(self._shards)} "
+                f"shards, fields {({n: (d.str, s) for n, (d, s) in self.fields.items()})})")
