@@ -1,4 +1,4 @@
-"""The `kvram` command line: `kvram info`, `kvram demo`."""
+"""The `kvram` command line: `kvram info`, `kvram demo`, `kvram shards write|inspect`."""
 
 from __future__ import annotations
 
@@ -78,6 +78,67 @@ def _demo(args) -> int:
     return 0
 
 
+def _shards_write(args) -> int:
+    import numpy as np
+
+    from kvram import data
+
+    *sources, out = args.paths
+    if not sources:
+        raise SystemExit("kvram shards write: give one .npz or one or more .npy files, then OUT/")
+    arrays = {}
+    for source in sources:
+        if source.endswith(".npz"):
+            with np.load(source, allow_pickle=False) as bundle:
+                for name in bundle.files:
+                    arrays[name] = bundle[name]
+        elif source.endswith(".npy"):
+            name = os.path.splitext(os.path.basename(source))[0]
+            arrays[name] = np.load(source, mmap_mode="r", allow_pickle=False)
+        else:
+            raise SystemExit(f"kvram shards write: {source}: expected a .npz or .npy file")
+    fields = args.fields.split(",") if args.fields else None
+    dataset = data.write_shards(
+        arrays, out, samples_per_shard=args.samples_per_shard, fields=fields,
+        overwrite=args.overwrite, verbose=1,
+    )
+    print(dataset)
+    return 0
+
+
+def _shards_inspect(args) -> int:
+    from kvram import data
+
+    try:
+        dataset = data.ShardedDataset(args.directory)
+        if args.verify:
+            dataset.verify(verbose=1)
+    except data.ShardError as error:
+        print(f"kvram shards inspect: {error}", file=sys.stderr)
+        return 1
+    report = {
+        "directory": dataset.directory,
+        "samples": len(dataset),
+        "shards": len(dataset.index["shards"]),
+        "bytes": dataset.nbytes,
+        "fields": {n: {"dtype": d.str, "shape": list(s)} for n, (d, s) in dataset.fields.items()},
+        "checksums": all(
+            f.get("sha256") for e in dataset.index["shards"] for f in e["files"].values()
+        ),
+        "verified": bool(args.verify),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{dataset.directory}: {report['samples']} samples in {report['shards']} shards, "
+          f"{report['bytes'] / 2**20:.1f} MiB")
+    for name, field in report["fields"].items():
+        print(f"  {name:16} {field['dtype']:6} per-sample shape {tuple(field['shape'])}")
+    if args.verify:
+        print("  checksums: all match" if report["checksums"] else "  checksums: none stored")
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -100,6 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=_positive, default=8192)
     demo.add_argument("--json", default=None, help="also write the results to this JSON file")
     demo.set_defaults(func=_demo)
+    shards = sub.add_parser("shards", help="write or inspect .npy shard directories")
+    shards_sub = shards.add_subparsers(dest="shards_command", required=True)
+    write = shards_sub.add_parser("write", help="SRC.npz | SRC.npy... OUT/: arrays to shards")
+    write.add_argument("paths", nargs="+", help="sources, then the output directory")
+    write.add_argument("--samples-per-shard", type=_positive, default=65536)
+    write.add_argument("--fields", default=None, help="comma-separated fields to keep, in order")
+    write.add_argument("--overwrite", action="store_true")
+    write.set_defaults(func=_shards_write)
+    inspect = shards_sub.add_parser("inspect", help="counts, dtypes, sizes; --verify checksums")
+    inspect.add_argument("directory")
+    inspect.add_argument("--verify", action="store_true", help="check every file's SHA-256")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(func=_shards_inspect)
     return parser
 
 

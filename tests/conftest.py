@@ -11,6 +11,12 @@ import tensorflow as tf  # noqa: E402
 # Ampere and newer GPUs) rounds matrix products to ~1e-3 and would hide that.
 tf.config.experimental.enable_tensor_float_32_execution(False)
 
+# Two logical CPUs, for placement and tf.distribute tests ("CPU:0" stays the default).
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_keras():

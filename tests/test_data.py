@@ -1,0 +1,322 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from kvram.data import ShardedDataset, ShardError, write_shards
+
+N = 1000
+
+
+def arrays(n=N):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 3, 2)).astype("float32")
+    y = np.arange(n, dtype="int64")  # the sample's id
+    w = rng.random(n).astype("float16")
+    return x, y, w
+
+
+@pytest.fixture
+def shards(tmp_path):
+    x, y, w = arrays()
+    return write_shards({"x": x, "y": y, "w": w}, tmp_path / "s", samples_per_shard=300, verbose=0)
+
+
+def epoch(dataset):
+    batches = list(dataset)
+    return [np.concatenate([b[i].numpy() for b in batches]) for i in range(len(batches[0]))]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("batch", [64, 1, 1000, 300, 7])
+def test_round_trip_every_sample_once_bit_identical(shards, shuffle, batch):
+    x, y, w = arrays()
+    dataset = shards.to_tf_dataset(batch, shuffle=shuffle, seed=3)
+    assert int(dataset.cardinality()) == -(-N // batch)
+    ex, ey, ew = epoch(dataset)
+    assert sorted(ey.tolist()) == list(range(N))  # exactly once
+    np.testing.assert_array_equal(ex, x[ey])  # bit-identical rows, whatever the order
+    np.testing.assert_array_equal(ew, w[ey])
+    assert ex.dtype == np.float32 and ew.dtype == np.float16
+    if not shuffle:
+        np.testing.assert_array_equal(ey, np.arange(N))
+    sizes = [b[1].shape[0] for b in dataset]
+    assert all(s == batch for s in sizes[:-1]) and sizes[-1] == N - batch * (len(sizes) - 1)
+
+
+def test_shuffling_changes_every_epoch_and_follows_the_seed(shards):
+    a = shards.to_tf_dataset(50, shuffle=True, seed=11)
+    b = shards.to_tf_dataset(50, shuffle=True, seed=11)
+    c = shards.to_tf_dataset(50, shuffle=True, seed=12)
+    a1, a2, a3 = (epoch(a)[1] for _ in range(3))
+    b1, b2, _ = (epoch(b)[1] for _ in range(3))
+    assert not np.array_equal(a1, a2) and not np.array_equal(a2, a3)
+    np.testing.assert_array_equal(a1, b1)  # same seed, same sequence of epochs
+    np.testing.assert_array_equal(a2, b2)
+    assert not np.array_equal(a1, epoch(c)[1])
+    # Mixed across shards: the first batch draws from more than one shard.
+    first = next(iter(a))[1].numpy()
+    assert len(set(first // 300)) > 1
+
+
+def test_repeat_drop_remainder_and_field_selection(shards):
+    dataset = shards.to_tf_dataset(128, shuffle=True, seed=0, repeat=True, drop_remainder=True,
+                                   fields=("x", "y"))
+    assert dataset.element_spec[0].shape.as_list() == [128, 3, 2]
+    ids = np.concatenate([b[1].numpy() for b in dataset.take(2 * (N // 128))])
+    first, second = ids[: 7 * 128], ids[7 * 128 :]
+    assert len(set(first)) == len(first) and len(set(second)) == len(second)
+    labels = shards.to_tf_dataset(100, shuffle=False, fields="y")
+    assert labels.element_spec.shape.as_list() == [None]
+    with pytest.raises(ValueError, match=r"Unknown fields \['z'\]"):
+        shards.to_tf_dataset(10, fields=["z"])
+
+
+def test_write_from_an_iterator_of_batches_larger_than_a_shard(tmp_path):
+    x, y, _ = arrays()
+    batches = ((x[i : i + 137], y[i : i + 137]) for i in range(0, N, 137))
+    dataset = write_shards(batches, tmp_path / "it", samples_per_shard=256, verbose=0)
+    assert len(dataset) == N and [s["samples"] for s in dataset.index["shards"]] == [256] * 3 + [232]
+    ex, ey = epoch(dataset.to_tf_dataset(100, shuffle=False))
+    np.testing.assert_array_equal(ex, x)
+    np.testing.assert_array_equal(ey, y)
+    assert dataset.element_spec["x"].shape.as_list() == [3, 2]
+
+
+def test_index_contents_and_no_pickle(shards):
+    index = json.load(open(os.path.join(shards.directory, "index.json")))
+    assert index["format"] == "kvram-shards" and index["version"] == 1 and index["samples"] == N
+    assert index["fields"]["w"] == {"dtype": "<f2", "shape": []}
+    entry = index["shards"][0]["files"]["x"]
+    assert entry["name"] == "x-00000.npy" and len(entry["sha256"]) == 64
+    with pytest.raises(TypeError, match="pickle"):
+        write_shards(np.array([{"a": 1}], dtype=object), shards.directory + "-obj", verbose=0)
+
+
+def test_write_is_atomic(tmp_path):
+    x, y, _ = arrays()
+
+    def failing():
+        yield x[:500], y[:500]
+        raise RuntimeError("source broke")
+
+    target = tmp_path / "atomic"
+    with pytest.raises(RuntimeError, match="source broke"):
+        write_shards(failing(), target, samples_per_shard=100, verbose=0)
+    assert not target.exists() and os.listdir(tmp_path) == []
+    write_shards((x, y), target, verbose=0)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        write_shards((x, y), target, verbose=0)
+    with pytest.raises(RuntimeError):
+        write_shards(failing(), target, overwrite=True, verbose=0)
+    assert len(ShardedDataset(target)) == N  # the old one is intact
+    write_shards((x[:10], y[:10]), target, overwrite=True, verbose=0)
+    assert len(ShardedDataset(target)) == 10 and os.listdir(tmp_path) == ["atomic"]
+
+
+# Bad input: every error names the offending file, at open (or verify) time.
+
+
+def _index(directory):
+    return json.load(open(os.path.join(directory, "index.json")))
+
+
+def _save_index(directory, index):
+    with open(os.path.join(directory, "index.json"), "w") as handle:
+        json.dump(index, handle)
+
+
+def test_truncated_shard(shards):
+    path = os.path.join(shards.directory, "x-00002.npy")
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) - 8)
+    with pytest.raises(ShardError, match="truncated") as error:
+        ShardedDataset(shards.directory)
+    assert error.value.path == path
+
+
+@pytest.mark.parametrize(
+    "replacement, text",
+    [
+        (np.zeros((300, 3, 2), "float64"), "dtype <f8, the index says <f4"),
+        (np.zeros((300, 2, 3), "float32"), r"per-sample shape \(2, 3\), the index says \(3, 2\)"),
+        (np.zeros((299, 3, 2), "float32"), "holds 299 samples, the index says 300"),
+        (np.asfortranarray(np.zeros((300, 3, 2), "float32")), "Fortran order"),
+    ],
+)
+def test_shard_of_wrong_dtype_shape_or_count(shards, replacement, text):
+    path = os.path.join(shards.directory, "x-00001.npy")
+    np.save(path, replacement)
+    with pytest.raises(ShardError, match=text) as error:
+        ShardedDataset(shards.directory)
+    assert error.value.path == path
+
+
+def test_missing_shard(shards):
+    path = os.path.join(shards.directory, "y-00003.npy")
+    os.remove(path)
+    with pytest.raises(ShardError, match="missing") as error:
+        ShardedDataset(shards.directory)
+    assert error.value.path == path
+
+
+@pytest.mark.parametrize("name", ["../outside.npy", "/etc/passwd", "sub/x.npy", "..", ""])
+def test_index_with_a_path_outside_the_directory(shards, name):
+    index = _index(shards.directory)
+    index["shards"][1]["files"]["x"]["name"] = name
+    _save_index(shards.directory, index)
+    with pytest.raises(ShardError, match="not a plain name inside the directory") as error:
+        ShardedDataset(shards.directory)
+    assert error.value.path.endswith("index.json") and repr(name) in str(error.value)
+
+
+@pytest.mark.parametrize("where", ["total", "shard"])
+def test_index_counts_that_disagree_with_the_files(shards, where):
+    index = _index(shards.directory)
+    if where == "total":
+        index["samples"] = N + 5
+        text, path = "the shards hold 1000", os.path.join(shards.directory, "index.json")
+    else:
+        index["shards"][0]["samples"] = 310
+        text, path = "holds 300 samples, the index says 310", None
+    _save_index(shards.directory, index)
+    with pytest.raises(ShardError, match=text) as error:
+        ShardedDataset(shards.directory)
+    if path:
+        assert error.value.path == path
+    else:
+        assert os.path.basename(error.value.path) == "x-00000.npy"
+
+
+@pytest.mark.parametrize("content", ["{not json", "", '{"format": "other"}', '{"format": "kvram-shards", "version": 9}'])
+def test_corrupted_index(shards, content):
+    path = os.path.join(shards.directory, "index.json")
+    with open(path, "w") as handle:
+        handle.write(content)
+    with pytest.raises(ShardError) as error:
+        ShardedDataset(shards.directory)
+    assert error.value.path == path
+
+
+def test_checksum_mismatch_on_verify(shards):
+    path = os.path.join(shards.directory, "w-00001.npy")
+    with open(path, "r+b") as handle:
+        handle.seek(-3, os.SEEK_END)
+        handle.write(b"\x01\x02\x03")  # same size, different bytes
+    dataset = ShardedDataset(shards.directory)  # sizes and headers still agree
+    with pytest.raises(ShardError, match="checksum mismatch") as error:
+        dataset.verify(verbose=0)
+    assert error.value.path == path
+
+
+def test_not_a_shard_directory(tmp_path):
+    with pytest.raises(ShardError, match="no such shard directory"):
+        ShardedDataset(tmp_path / "nope")
+    with pytest.raises(ShardError, match="missing: not a kvram shard directory"):
+        ShardedDataset(tmp_path)
+
+
+# Training
+
+
+def test_fit_with_micro_batching_on_shards(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((256, 8)).astype("float32")
+    y = rng.standard_normal((256, 1)).astype("float32")
+    dataset = write_shards((x, y), tmp_path / "fit", samples_per_shard=100, verbose=0)
+    inputs = keras.Input((8,))
+    model = kvram.Model(inputs, keras.layers.Dense(1)(inputs), micro_batch_size=16)
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(dataset.to_tf_dataset(64, seed=0), epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert int(model.optimizer.iterations.numpy()) == 2 * 4  # cardinality known: no extra step
+
+
+def test_under_mirrored_strategy(tmp_path):
+    cpus = tf.config.list_logical_devices("CPU")
+    if len(cpus) < 2:
+        pytest.skip("needs two logical CPUs (tests/conftest.py makes them)")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((128, 4)).astype("float32")
+    y = rng.standard_normal((128, 1)).astype("float32")
+    dataset = write_shards((x, y), tmp_path / "dist", samples_per_shard=50, verbose=0)
+    strategy = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]])
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(dataset.to_tf_dataset(32, shuffle=True, seed=0), epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+
+
+def test_reading_much_more_than_memory_keeps_anonymous_memory_flat(tmp_path):
+    """256 MiB of shards read end to end, every byte touched, in a fresh process:
+    its RssAnon (heap, TF tensors) must grow by less than a quarter of that."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, numpy as np
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        sys.path.insert(0, {os.getcwd()!r})
+        import kvram
+
+        def rss_anon():
+            for line in open("/proc/self/status"):
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+
+        rows, width = 8192, 8192  # float32: 32 KiB a row, 256 MiB in all
+        def batches():
+            for i in range(0, rows, 512):
+                yield np.full((512, width), i, np.float32)
+        data = kvram.data.write_shards(batches(), {str(tmp_path / 'big')!r},
+                                       samples_per_shard=1024, checksum=False, verbose=0)
+        dataset = data.to_tf_dataset(256, shuffle=True, seed=0)
+        it = iter(dataset)
+        total = float(next(it).numpy().sum())  # warm up tf.data and TF
+        before = rss_anon()
+        peak = before
+        for batch in it:
+            total += float(batch.numpy().sum())
+            peak = max(peak, rss_anon())
+        print(data.nbytes, before, peak)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    nbytes, before, peak = map(int, out.stdout.split()[-3:])
+    assert nbytes == 2**28
+    print(f"RssAnon {before / 2**20:.0f} MiB -> peak {peak / 2**20:.0f} MiB reading {nbytes / 2**20:.0f} MiB")
+    assert peak - before < nbytes / 4, (before / 2**20, peak / 2**20)
+
+
+# Command line
+
+
+def test_cli_write_and_inspect(tmp_path, capsys):
+    from kvram.cli import main
+
+    x, y, _ = arrays(50)
+    np.savez(tmp_path / "d.npz", image=x, label=y)
+    np.save(tmp_path / "extra.npy", y * 2)
+    assert main(["shards", "write", str(tmp_path / "d.npz"), str(tmp_path / "out"),
+                 "--samples-per-shard", "20"]) == 0
+    dataset = ShardedDataset(tmp_path / "out")
+    assert list(dataset.fields) == ["image", "label"] and len(dataset) == 50
+    assert main(["shards", "write", str(tmp_path / "extra.npy"), str(tmp_path / "out2")]) == 0
+    assert list(ShardedDataset(tmp_path / "out2").fields) == ["extra"]
+    capsys.readouterr()
+    assert main(["shards", "inspect", str(tmp_path / "out"), "--verify"]) == 0
+    assert "checksums: all match" in capsys.readouterr().out
+    assert main(["shards", "inspect", str(tmp_path / "out"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["samples"] == 50 and report["shards"] == 3 and report["checksums"]
+    os.remove(tmp_path / "out" / "label-00001.npy")
+    assert main(["shards", "inspect", str(tmp_path / "out")]) == 1
+    assert "label-00001.npy: missing" in capsys.readouterr().err
