@@ -52,7 +52,9 @@ class Model(keras.Model):
       over the batch) are averaged over slices. `AdaptiveBatchSize` changes m
       during `fit()`.
     - `clip_global_norm`: the (accumulated, unscaled) gradient is clipped to this
-      global norm, through the optimizer's own `global_clipnorm`.
+      global norm, through the optimizer's own `global_clipnorm`. Under a
+      multi-replica `tf.distribute` strategy the replicas' summed gradient is
+      clipped (Keras alone would clip each replica's share).
     - `skip_nonfinite=True`: a step whose gradients are not all finite changes no
       weight and no optimizer variable, and is counted in the `skipped_steps` log
       entry (a running total). Under `mixed_float16` the `LossScaleOptimizer`
@@ -154,6 +156,16 @@ class Model(keras.Model):
         inner = self.inner_optimizer
         if inner is None:
             return
+        if self.accumulation_steps > 1 and self.distribute_strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"accumulation_steps={self.accumulation_steps} cannot run under "
+                f"{type(self.distribute_strategy).__name__} with "
+                f"{self.distribute_strategy.num_replicas_in_sync} replicas: Keras's optimizer "
+                "accumulates inside a cond that would have to synchronise replicas, which "
+                "tf.distribute does not allow (plain keras.Model fails the same way). Use "
+                "micro_batch_size instead: a larger batch split into slices gives the same "
+                "update at the memory of a slice."
+            )
         if self.accumulation_steps > 1:
             current = inner.gradient_accumulation_steps
             if current not in (None, 1, self.accumulation_steps):
@@ -347,6 +359,17 @@ class Model(keras.Model):
 
     def _apply_gradients(self, gradients, trainable_weights):
         finite = all_finite(gradients)
+        context = tf.distribute.get_replica_context()
+        replicated = context is not None and context.num_replicas_in_sync > 1
+        if replicated:
+            # One decision for all replicas: skip when any replica's gradients
+            # are not finite (they are summed into one update).
+            bad = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.int32)
+            )
+            finite = tf.equal(bad, 0)
+            if self.clip_global_norm is not None:
+                gradients = self._clip_across_replicas(context, gradients)
         self._skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) or not (
             self.skip_nonfinite
@@ -356,11 +379,51 @@ class Model(keras.Model):
             return
         if not self.optimizer.built:
             self.optimizer.build(trainable_weights)
+        if replicated and not tf.__internal__.distribute.strategy_supports_no_merge_call():
+            # The optimizer's update is a synchronisation point (merge_call), which
+            # may not sit in a cond in replica context: decide in cross-replica
+            # context, as Keras's LossScaleOptimizer does.
+            def cross_replica(distribution, gradients, finite):
+                decision = distribution.experimental_local_results(finite)[0]
+
+                def apply():
+                    distribution.extended.call_for_each_replica(
+                        lambda g: self.optimizer.apply(list(g), trainable_weights),
+                        args=(gradients,),
+                    )
+
+                tf.cond(decision, apply, lambda: None)
+
+            context.merge_call(cross_replica, args=(list(gradients), finite))
+            return
         tf.cond(
             finite,
             lambda: self.optimizer.apply(gradients, trainable_weights),
             lambda: None,
         )
+
+    def _clip_across_replicas(self, context, gradients):
+        """Clips the replicas' summed gradient to `clip_global_norm`.
+
+        The optimizer's own `global_clipnorm` acts on each replica's share before
+        they are summed, which is not the global norm of the update. Here the
+        shares are summed first, clipped, and divided by the number of replicas,
+        so that the optimizer's own sum gives the clipped gradient back (its own
+        clipping then finds nothing to do). Costs one more all-reduce per step.
+        """
+        present = [i for i, g in enumerate(gradients) if g is not None]
+        summed = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, [_dense(gradients[i]) for i in present]
+        )
+        limit = tf.constant(self.clip_global_norm, tf.float32)
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            limit = limit * tf.cast(self.optimizer.dynamic_scale, tf.float32)  # still scaled
+        clipped, _ = tf.clip_by_global_norm(summed, limit)
+        share = 1.0 / context.num_replicas_in_sync
+        result = list(gradients)
+        for i, g in zip(present, clipped):
+            result[i] = g * tf.cast(share, g.dtype)
+        return result
 
     def get_config(self):
         config = super().get_config()

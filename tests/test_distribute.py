@@ -1,0 +1,85 @@
+"""kvram.Model under tf.distribute.MirroredStrategy over two logical CPUs."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from tests.helpers import max_rel_diff
+
+TOL = 1e-5
+
+
+def devices():
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if len(cpus) < 2:
+        pytest.skip("needs two logical CPUs (tests/conftest.py makes them)")
+    return cpus[:2]
+
+
+def make(**kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    x = kvram.layers.Checkpoint(
+        keras.Sequential([keras.layers.Dense(16, activation="tanh"), keras.layers.Dropout(0.2)])
+    )(inputs)
+    outputs = keras.layers.Dense(3)(x)
+    model = kvram.Model(inputs, outputs, **kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    return model
+
+
+def data(n=64):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((n, 8)).astype("float32"), rng.standard_normal((n, 3)).astype("float32")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"micro_batch_size": 3}, {"micro_batch_size": 5}, {"clip_global_norm": 0.5}],
+    ids=["plain", "micro_batches", "uneven_micro_batches", "clipped"],
+)
+def test_mirrored_equals_one_device_on_the_same_global_batch(kwargs):
+    x, y = data()
+    strategy = tf.distribute.MirroredStrategy(devices())
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    # Dropout would draw different masks per replica; compare without it.
+    one = make(**kwargs)
+    one.get_layer(index=1).layer.layers[1].rate = 0.0
+    one.fit(dataset, epochs=2, verbose=0)
+    with strategy.scope():
+        two = make(**kwargs)
+        two.get_layer(index=1).layer.layers[1].rate = 0.0
+    two.fit(dataset, epochs=2, verbose=0)
+    assert max_rel_diff([v.numpy() for v in one.weights], [v.numpy() for v in two.weights]) < TOL
+    assert int(two.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy())
+    for variable in two.trainable_weights:
+        assert isinstance(variable.value, tf.distribute.DistributedValues) or hasattr(
+            variable.value, "values"
+        )
+
+
+def test_a_nonfinite_replica_skips_the_step_on_every_replica():
+    x, y = data(32)
+    strategy = tf.distribute.MirroredStrategy(devices())
+    with strategy.scope():
+        model = make()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # build and warm up
+    before = [v.numpy() for v in model.weights + model.optimizer.variables]
+    iterations = int(model.optimizer.iterations.numpy())
+    bad = x[:16].copy()
+    bad[12] = np.nan  # in the second replica's half of the global batch
+    model.fit(bad, y[:16], batch_size=16, epochs=1, verbose=0, shuffle=False)
+    after = [v.numpy() for v in model.weights + model.optimizer.variables]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert int(model.optimizer.iterations.numpy()) == iterations
+    assert model.skipped_steps == 1
+
+
+def test_accumulation_under_mirrored_strategy_is_refused_with_the_alternative():
+    strategy = tf.distribute.MirroredStrategy(devices())
+    with strategy.scope():
+        with pytest.raises(ValueError, match="accumulation_steps=2 cannot run under MirroredStrategy.*micro_batch_size"):
+            make(accumulation_steps=2)
