@@ -4,7 +4,7 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from kvram import callbacks, data, layers, memory, precision  # noqa: E402
+from kvram import callbacks, data, layers, memory, parallel, precision  # noqa: E402
 from kvram.model import Model  # noqa: E402
 
 __version__ = "0.1.0"
@@ -13,6 +13,7 @@ __all__ = [
     "Model",
     "callbacks",
     "data",
+    "parallel",
     "layers",
     "memory",
     "precision",

@@ -1,0 +1,357 @@
+"""Stage splitting across devices with GPipe-style micro-batch pipelining.
+
+`PipelineModel(stages, devices, micro_batches)` puts each stage (a Keras layer or
+model) on its own device: its variables are created there (variables live where a
+layer is built), its forward pass and its backward pass run there (each stage's
+backward is a separate `tape.gradient` under that stage's `tf.device`, since
+gradients computed by one outer tape carry no device), and the optimizer's slots
+for its variables, and their updates, are placed there too (Keras would create
+them on the default device).
+
+A batch is cut into `micro_batches` slices. All slices go forward through the
+stages, then backward; the step is one TensorFlow graph, whose executor runs an
+op as soon as its inputs are ready, so stage 1 computes slice i+1 while stage 2
+computes slice i (the GPipe schedule). Gradients are summed per stage on the
+stage's device, weighted by each slice's share of rows: the update equals the
+single-device model's on the whole batch.
+
+XLA: `tf.device` is ignored inside an XLA cluster, so a PipelineModel compiles
+without XLA (`jit_compile=False`); asking for XLA is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from kvram import _checks
+from kvram.model import Model
+
+__all__ = ["PipelineModel", "balance", "Balance"]
+
+
+def _device(name) -> str:
+    """'CPU:1', '/GPU:0', ... -> the full name of a logical device that exists."""
+    if not isinstance(name, str):
+        raise TypeError(f"Devices are names like 'GPU:0'. Received: {name!r}")
+    devices = tf.config.list_logical_devices()
+    wanted = tf.DeviceSpec.from_string(name if name.startswith("/") else f"/device:{name}")
+    for device in devices:
+        spec = tf.DeviceSpec.from_string(device.name)
+        if spec.device_type == (wanted.device_type or "").upper() and spec.device_index == (
+            wanted.device_index or 0
+        ):
+            return device.name
+    raise ValueError(
+        f"Unknown device {name!r}. Logical devices here: {[d.name for d in devices]}. "
+        "(Split one physical device into several with "
+        "tf.config.set_logical_device_configuration.)"
+    )
+
+
+def _variable_device(variable) -> str:
+    value = getattr(variable, "value", variable)
+    return getattr(value, "device", "") or ""
+
+
+@keras.saving.register_keras_serializable(package="kvram")
+class PipelineModel(Model):
+    """A `kvram.Model` whose stages run on different devices, pipelined.
+
+    Args:
+        stages: list of Keras layers/models, applied in order.
+        devices: one device name per stage ("GPU:0", "GPU:1", or logical CPUs).
+        micro_batches: int >= 1, slices per batch (a batch of n rows is cut into
+            slices of n // m or n // m + 1 rows; it needs n >= m).
+        checkpoint: wrap every stage in `kvram.layers.Checkpoint`
+            (recompute its activations in the backward pass).
+        **kwargs: `kvram.Model` arguments (`clip_global_norm`, `skip_nonfinite`,
+            `name`). `micro_batch_size` and `accumulation_steps` do not apply.
+
+    Example:
+    ```python
+    model = kvram.parallel.PipelineModel([encoder, head], ["GPU:0", "GPU:1"], micro_batches=8)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(data, epochs=3)
+    ```
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # `stages, devices` would read as functional `inputs, outputs`.
+        return keras.Model.__new__(cls)
+
+    def __init__(self, stages, devices, micro_batches: int = 8, checkpoint: bool = False, **kwargs):
+        if kwargs.get("micro_batch_size") is not None or kwargs.get("accumulation_steps", 1) != 1:
+            raise ValueError(
+                "PipelineModel slices batches itself (micro_batches); micro_batch_size and "
+                "accumulation_steps do not apply. Received: "
+                f"micro_batch_size={kwargs.get('micro_batch_size')}, "
+                f"accumulation_steps={kwargs.get('accumulation_steps', 1)}"
+            )
+        stages = list(stages) if isinstance(stages, (list, tuple)) else stages
+        if not isinstance(stages, list) or not stages:
+            raise TypeError(f"`stages` must be a non-empty list of Keras layers. Received: {stages!r}")
+        for stage in stages:
+            if not isinstance(stage, keras.layers.Layer):
+                raise TypeError(f"Every stage must be a Keras layer or model. Received: {stage!r}")
+        devices = list(devices) if isinstance(devices, (list, tuple)) else [devices]
+        if len(stages) > len(devices):
+            raise ValueError(
+                f"{len(stages)} stages but only {len(devices)} devices: give one device per "
+                f"stage. Received: devices={devices}"
+            )
+        if len(stages) < len(devices):
+            raise ValueError(
+                f"{len(devices)} devices for {len(stages)} stages: give one device per stage "
+                f"(kvram.parallel.balance splits layers into as many stages as devices). "
+                f"Received: devices={devices}"
+            )
+        self.device_names = [_device(d) for d in devices]
+        self.micro_batches = _checks.positive_int("micro_batches", micro_batches)
+        self.checkpoint = _checks.boolean("checkpoint", checkpoint)
+        super().__init__(**kwargs)
+        if checkpoint:
+            from kvram.layers import Checkpoint
+
+            stages = [s if isinstance(s, Checkpoint) else Checkpoint(s) for s in stages]
+        self.stages = stages
+
+    # -- building: each stage's variables on its device
+    def build(self, input_shape):
+        shape = input_shape
+        for stage, device in zip(self.stages, self.device_names):
+            with tf.device(device):
+                if not stage.built:
+                    stage.build(shape)
+            shape = stage.compute_output_shape(shape)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        x = inputs
+        for stage, device in zip(self.stages, self.device_names):
+            with tf.device(device):
+                x = stage(x, training=training)
+        return x
+
+    def compile(self, optimizer="rmsprop", *args, jit_compile="auto", **kwargs):
+        if jit_compile is True:
+            raise ValueError(
+                "PipelineModel places its stages with tf.device, which XLA ignores inside a "
+                "compiled cluster; compile with jit_compile=False (or leave it 'auto')."
+            )
+        super().compile(optimizer, *args, jit_compile=False, **kwargs)
+        for candidate in (self.optimizer, getattr(self.optimizer, "inner_optimizer", None)):
+            if candidate is not None:
+                _place_optimizer_on_variable_devices(candidate)
+
+    def make_train_function(self, force=False):
+        # kvram.Model refuses an overridden train_step only for its own slicing.
+        return keras.Model.make_train_function(self, force=force)
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        rows = tf.shape(tree.flatten(x)[0])[0]
+        m = self.micro_batches
+        tf.debugging.assert_greater_equal(
+            rows, m, message=f"PipelineModel: a batch has fewer rows than micro_batches={m}"
+        )
+        base, extra = rows // m, rows % m
+        sizes = [base + tf.cast(i < extra, rows.dtype) for i in range(m)]
+        starts = [tf.add_n(sizes[:i]) if i else tf.constant(0, rows.dtype) for i in range(m)]
+        total = tf.cast(rows, tf.float32)
+        stage_vars = [list(s.trainable_weights) for s in self.stages]
+        all_vars = [v for vs in stage_vars for v in vs]
+        sums: list[list] = [[None] * len(vs) for vs in stage_vars]
+        last = self.device_names[-1]
+
+        def cut(t, start, size):
+            return None if t is None else t[start : start + size]
+
+        # Forward: every slice through every stage, each stage on its device.
+        records = []
+        for i in range(m):
+            xs, ys, sws = tree.map_structure(lambda t: cut(t, starts[i], sizes[i]), (x, y, sample_weight))
+            h, tapes = xs, []
+            for k, (stage, device) in enumerate(zip(self.stages, self.device_names)):
+                with tf.name_scope(f"stage{k}_forward_mb{i}"), tf.device(device):
+                    with tf.GradientTape() as tape:
+                        tape.watch(h)
+                        out = stage(h, training=True)
+                tapes.append((tape, h, out))
+                h = out
+            with tf.name_scope(f"loss_mb{i}"), tf.device(last):
+                with tf.GradientTape() as loss_tape:
+                    loss_tape.watch(h)
+                    loss = self._compute_loss(x=xs, y=ys, y_pred=h, sample_weight=sws, training=True)
+                    self._loss_tracker.update_state(
+                        loss_module.unscale_loss_for_distribution(loss), sample_weight=sizes[i]
+                    )
+                    if self.optimizer is not None:
+                        loss = self.optimizer.scale_loss(loss)
+                    loss = loss * tf.cast(tf.cast(sizes[i], tf.float32) / total, loss.dtype)
+                self.compute_metrics(xs, ys, h, sample_weight=sws)
+            records.append((tapes, loss_tape, loss, h))
+
+        # Backward: slice by slice, last stage first, each stage under its device.
+        for i, (tapes, loss_tape, loss, out) in enumerate(records):
+            with tf.name_scope(f"loss_backward_mb{i}"), tf.device(last):
+                grads = loss_tape.gradient(loss, [out] + all_vars)  # + regularisers
+            dy, direct = grads[0], dict(zip((id(v) for v in all_vars), grads[1:]))
+            for k in reversed(range(len(self.stages))):
+                tape, h, stage_out = tapes[k]
+                with tf.name_scope(f"stage{k}_backward_mb{i}"), tf.device(self.device_names[k]):
+                    local = tape.gradient(stage_out, [h] + stage_vars[k], output_gradients=dy)
+                    for j, (v, g) in enumerate(zip(stage_vars[k], local[1:])):
+                        extra_g = direct.get(id(v))
+                        if extra_g is not None:
+                            g = extra_g if g is None else g + extra_g
+                        if g is not None:
+                            g = tf.convert_to_tensor(g)
+                            sums[k][j] = g if sums[k][j] is None else sums[k][j] + g
+                dy = local[0]
+        gradients_by_id = {
+            id(v): g for vs, gs in zip(stage_vars, sums) for v, g in zip(vs, gs)
+        }
+        trainable = self.trainable_weights
+        gradients = [gradients_by_id.get(id(v)) for v in trainable]
+        if trainable:
+            self._apply_gradients(gradients, trainable)
+        return self._kvram_logs(self.get_metrics_result())
+
+    def get_config(self):
+        return {
+            "stages": [keras.saving.serialize_keras_object(s) for s in self.stages],
+            "devices": self.device_names,
+            "micro_batches": self.micro_batches,
+            "checkpoint": False,  # stages are saved already wrapped
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["stages"] = [keras.saving.deserialize_keras_object(s) for s in config["stages"]]
+        return cls(**config)
+
+
+def _place_optimizer_on_variable_devices(optimizer) -> None:
+    """Slots (and their updates) next to the variable they belong to."""
+    if getattr(optimizer, "_kvram_placed", False):
+        return
+    create = optimizer.add_variable_from_reference
+    update = optimizer.update_step
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        with tf.device(_variable_device(reference_variable) or None):
+            return create(reference_variable, *args, **kwargs)
+
+    def update_step(gradient, variable, *args, **kwargs):
+        with tf.device(_variable_device(variable) or None):
+            return update(gradient, variable, *args, **kwargs)
+
+    optimizer.add_variable_from_reference = add_variable_from_reference
+    optimizer.update_step = update_step
+    optimizer._kvram_placed = True
+
+
+@dataclasses.dataclass
+class Balance:
+    """What `balance` decided: `stages` (one `keras.Sequential` per device), the
+    `devices`, each layer's measured `costs`, the `groups` of layer indices, and
+    `report`, a text saying why."""
+
+    stages: list
+    devices: list
+    costs: list
+    groups: list
+    by: str
+    report: str
+
+
+def balance(layers, devices, by: str = "memory", sample_batch=None, repeats: int = 3) -> Balance:
+    """Splits a sequence of layers into one contiguous stage per device.
+
+    Each layer's cost is measured on `sample_batch` (a batch of the first
+    layer's input): `by="memory"` counts its parameter bytes (weights, gradients
+    and two optimizer slots: 4x) plus its output activation bytes for that batch;
+    `by="time"` times its forward and backward pass (median of `repeats`). The
+    split minimises the largest stage's total (exact dynamic programme over the
+    contiguous splits).
+
+    Returns:
+        A `Balance`; `PipelineModel(result.stages, result.devices)` uses it.
+    """
+    layers = list(layers)
+    devices = list(devices)
+    if by not in ("memory", "time"):
+        raise ValueError(f"`by` must be 'memory' or 'time'. Received: by={by!r}")
+    if not layers or not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise TypeError("`layers` must be a non-empty list of Keras layers.")
+    if len(devices) < 1 or len(devices) > len(layers):
+        raise ValueError(
+            f"Need between 1 and {len(layers)} devices for {len(layers)} layers. "
+            f"Received: {len(devices)} devices"
+        )
+    if sample_batch is None:
+        raise ValueError("`sample_batch` is needed to build the layers and measure them.")
+    costs = []
+    h = tf.convert_to_tensor(sample_batch)
+    for layer in layers:
+        with tf.GradientTape() as tape:
+            tape.watch(h)
+            out = layer(h, training=True)
+        if by == "memory":
+            params = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in layer.weights)
+            activation = int(np.prod(out.shape)) * out.dtype.size
+            costs.append(4 * params + activation)
+        else:
+            seconds = []
+            for _ in range(max(1, repeats)):
+                started = time.perf_counter()
+                with tf.GradientTape() as tape:
+                    tape.watch(h)
+                    y = layer(h, training=True)
+                grads = tape.gradient(y, [h] + layer.trainable_weights)
+                _ = [np.asarray(g) for g in grads if g is not None]
+                seconds.append(time.perf_counter() - started)
+            costs.append(float(np.median(seconds)))
+        h = out
+    groups = _partition(costs, len(devices))
+    stages = [keras.Sequential([layers[i] for i in group]) for group in groups]
+    unit = "bytes" if by == "memory" else "s"
+    totals = [sum(costs[i] for i in group) for group in groups]
+    lines = [f"balance by {by}: {len(layers)} layers over {len(devices)} devices"]
+    for group, total, device in zip(groups, totals, devices):
+        names = ", ".join(layers[i].name for i in group)
+        lines.append(f"  {device}: layers {group[0]}-{group[-1]} ({names}): {total:.4g} {unit}")
+    lines.append(f"  largest stage {max(totals):.4g} {unit}, total {sum(totals):.4g} {unit}; "
+                 "no other contiguous split has a smaller largest stage")
+    return Balance(stages, devices, costs, groups, by, "\n".join(lines))
+
+
+def _partition(costs, parts):
+    """Contiguous split of `costs` into `parts` groups minimising the largest sum."""
+    n = len(costs)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    best = np.full((parts + 1, n + 1), np.inf)
+    cut = np.zeros((parts + 1, n + 1), dtype=int)
+    best[0, 0] = 0.0
+    for p in range(1, parts + 1):
+        for j in range(p, n + 1):
+            for i in range(p - 1, j):
+                value = max(best[p - 1, i], prefix[j] - prefix[i])
+                if value < best[p, j]:
+                    best[p, j], cut[p, j] = value, i
+    groups, j = [], n
+    for p in range(parts, 0, -1):
+        i = cut[p, j]
+        groups.append(list(range(i, j)))
+        j = i
+    return groups[::-1]
