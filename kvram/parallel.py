@@ -151,11 +151,24 @@ class PipelineModel(Model):
             if candidate is not None:
                 _place_optimizer_on_variable_devices(candidate)
 
+    def fit(self, x=None, *args, **kwargs):
+        if not self.built:
+            # Build now, outside any tf.function, so each stage's variables are
+            # created under its device.
+            self.build(_input_shape(x))
+        return super().fit(x, *args, **kwargs)
+
     def make_train_function(self, force=False):
         # kvram.Model refuses an overridden train_step only for its own slicing.
         return keras.Model.make_train_function(self, force=force)
 
     def train_step(self, data):
+        if not self.built:
+            raise RuntimeError(
+                "Build a PipelineModel before training it (model.build(input_shape), or "
+                "fit(), which builds it), so that each stage's variables are created on "
+                "its device."
+            )
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         rows = tf.shape(tree.flatten(x)[0])[0]
         m = self.micro_batches
@@ -239,6 +252,16 @@ class PipelineModel(Model):
         config = dict(config)
         config["stages"] = [keras.saving.deserialize_keras_object(s) for s in config["stages"]]
         return cls(**config)
+
+
+def _input_shape(x):
+    """The input shape of `fit()`'s `x` (array, tensor, or dataset of (x, y, ...))."""
+    if isinstance(x, tf.data.Dataset):
+        spec = x.element_spec
+        spec = spec[0] if isinstance(spec, tuple) else spec
+        return (None,) + tuple(tree.flatten(spec)[0].shape[1:])
+    first = tree.flatten(x)[0]
+    return (None,) + tuple(np.shape(first)[1:])
 
 
 def _place_optimizer_on_variable_devices(optimizer) -> None:

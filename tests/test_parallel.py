@@ -1,0 +1,143 @@
+"""PipelineModel and balance on two logical CPUs (tests/conftest.py makes them)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from kvram.parallel import PipelineModel, balance
+from tests.helpers import max_rel_diff
+
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def two_cpus():
+    if len(tf.config.list_logical_devices("CPU")) < 2:
+        pytest.skip("needs two logical CPUs")
+
+
+def layers():
+    keras.utils.set_random_seed(0)
+    return [
+        keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-3)),
+        keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(3),
+    ]
+
+
+def pair(micro_batches, checkpoint=False, optimizer=lambda: keras.optimizers.Adam(0.01)):
+    single = keras.Sequential([keras.Input((8,))] + layers())
+    single.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
+    parts = layers()
+    model = PipelineModel(
+        [keras.Sequential(parts[:2]), keras.Sequential(parts[2:])],
+        ["CPU:0", "CPU:1"],
+        micro_batches=micro_batches,
+        checkpoint=checkpoint,
+    )
+    model.build((None, 8))
+    for a, b in zip(single.weights, model.weights):
+        b.assign(a)
+    model.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
+    return single, model
+
+
+def data(n=16):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((n, 8)).astype("float32"), rng.standard_normal((n, 3)).astype("float32")
+
+
+@pytest.mark.parametrize(
+    "micro_batches, checkpoint", [(1, False), (4, False), (5, False), (16, False), (5, True)]
+)
+def test_updates_equal_the_single_device_model(micro_batches, checkpoint):
+    x, y = data()
+    single, model = pair(micro_batches, checkpoint)
+    h1 = single.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    h2 = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    assert max_rel_diff([v.numpy() for v in single.weights], [v.numpy() for v in model.weights]) < TOL
+    for a, b in zip(single.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=TOL, atol=1e-7)
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], rtol=TOL)
+    np.testing.assert_allclose(h1.history["mae"], h2.history["mae"], rtol=TOL)
+
+
+def test_variables_slots_and_ops_are_on_their_stage_device():
+    x, y = data()
+    _, model = pair(4)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    devices = {0: "CPU:0", 1: "CPU:1"}
+    for k, stage in enumerate(model.stages):
+        for variable in stage.weights:
+            assert variable.value.device.endswith(devices[k]), variable.path
+    optimizer = model.optimizer
+    slots = list(zip(optimizer._trainable_variables, optimizer._momentums, optimizer._velocities))
+    assert len(slots) == 6
+    for variable, momentum, velocity in slots:
+        device = variable.value.device
+        assert momentum.value.device == device and velocity.value.device == device
+
+    # Forward and backward ops of each stage, and its updates, ask for its device.
+    graph = tf.function(model.train_step).get_concrete_function((x, y)).graph
+    seen = {0: 0, 1: 0}
+    for op in graph.get_operations():
+        if op.type in ("Placeholder", "ReadVariableOp"):
+            continue  # variable handles and reads run where the variable lives (checked above)
+        for k in (0, 1):
+            if f"stage{k}_forward" in op.name or f"stage{k}_backward" in op.name:
+                assert op.device.endswith(devices[k]), (op.name, op.device)
+                seen[k] += 1
+    assert seen[0] > 20 and seen[1] > 20
+    # Backward: tape.gradient names its ops "gradient_tape/<forward op>"; stage 1's
+    # run on CPU:1, not on the default device.
+    for k in (0, 1):
+        matmuls = [op for op in graph.get_operations()
+                   if op.name.startswith(f"gradient_tape/stage{k}_forward") and op.type == "MatMul"]
+        assert len(matmuls) >= 4 * 2 and all(op.device.endswith(devices[k]) for op in matmuls)
+
+
+def test_short_batch_and_bad_arguments():
+    stages = [keras.layers.Dense(4), keras.layers.Dense(2)]
+    with pytest.raises(ValueError, match="2 stages but only 1 devices"):
+        PipelineModel(stages, ["CPU:0"])
+    with pytest.raises(ValueError, match="3 devices for 2 stages"):
+        PipelineModel(stages, ["CPU:0", "CPU:1", "CPU:0"])
+    with pytest.raises(ValueError, match="Unknown device 'GPU:7'"):
+        PipelineModel(stages, ["CPU:0", "GPU:7"])
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        PipelineModel(stages, ["CPU:0", "CPU:1"], micro_batches=0)
+    with pytest.raises(TypeError, match="Keras layer"):
+        PipelineModel([stages[0], "dense"], ["CPU:0", "CPU:1"])
+    with pytest.raises(ValueError, match="micro_batch_size and accumulation_steps"):
+        PipelineModel(stages, ["CPU:0", "CPU:1"], micro_batch_size=2)
+    model = PipelineModel(stages, ["CPU:0", "CPU:1"], micro_batches=8)
+    with pytest.raises(ValueError, match="XLA ignores"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="fewer rows than micro_batches=8"):
+        model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), batch_size=4, verbose=0)
+
+
+def test_balance_by_memory_and_time():
+    keras.utils.set_random_seed(0)
+    stack = [keras.layers.Dense(n, activation="relu") for n in (512, 512, 16, 16, 16, 16)]
+    sample = np.ones((32, 64), "float32")
+    result = balance(stack, ["CPU:0", "CPU:1"], by="memory", sample_batch=sample)
+    # Layer 1 (512x512 weights) alone outweighs everything after it.
+    assert result.groups == [[0], [1, 2, 3, 4, 5]] or result.groups == [[0, 1], [2, 3, 4, 5]]
+    totals = [sum(result.costs[i] for i in g) for g in result.groups]
+    assert max(totals) == min(
+        max(sum(result.costs[:j]), sum(result.costs[j:])) for j in range(1, len(stack))
+    )
+    assert "largest stage" in result.report and "CPU:1" in result.report
+    model = PipelineModel(result.stages, result.devices, micro_batches=4)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(sample, np.ones((32, 16), "float32"), batch_size=32, verbose=0)
+    timed = balance(stack, ["CPU:0", "CPU:1"], by="time", sample_batch=sample)
+    assert sorted(i for g in timed.groups for i in g) == list(range(6)) and all(timed.costs)
+    with pytest.raises(ValueError, match="by='size'"):
+        balance(stack, ["CPU:0"], by="size", sample_batch=sample)
+    with pytest.raises(ValueError, match="between 1 and 6 devices"):
+        balance(stack, ["CPU:0"] * 7, sample_batch=sample)
