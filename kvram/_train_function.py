@@ -102,8 +102,13 @@ class TrainFunction:
         self.build(data)
         controller = model._batch_controller
         if controller is None:
-            gradients = self._gradients(model.micro_batch_size)(data)
-            return self._apply()(gradients)
+            return self._fused(model.micro_batch_size)(data)
+        if getattr(model, "_distribute_strategy", None) is not None:
+            raise NotImplementedError(
+                "AdaptiveBatchSize under a tf.distribute strategy is not supported yet: "
+                "set micro_batch_size on the model instead (find it with "
+                "kvram.callbacks.find_max_batch_size on one device)."
+            )
         rows = _local_rows(data)
         micro_batch_size = controller.begin_step(model, rows)
         while True:
@@ -126,6 +131,24 @@ class TrainFunction:
                 )
         del saved
         return self._apply()(gradients)
+
+    def _fused(self, micro_batch_size):
+        """Gradients and update in one compiled step (no recovery needed)."""
+        key = ("fused", micro_batch_size)
+        function = self._gradient_functions.get(key)
+        if function is not None:
+            return function
+        model = self.model
+        strategy = model.distribute_strategy
+
+        def step(data):
+            logs = strategy.run(model.train_step, args=(data,))
+            return reduce_per_replica(logs, strategy, reduction="auto")
+
+        if not model.run_eagerly:
+            step = tf.function(step, reduce_retracing=True)
+        self._gradient_functions[key] = step
+        return step
 
     def _gradients(self, micro_batch_size):
         function = self._gradient_functions.get(micro_batch_size)

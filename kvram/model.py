@@ -379,7 +379,9 @@ class Model(keras.Model):
             return
         if not self.optimizer.built:
             self.optimizer.build(trainable_weights)
-        if replicated and not tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if tf.distribute.has_strategy() and not (
+            tf.__internal__.distribute.strategy_supports_no_merge_call()
+        ):
             # The optimizer's update is a synchronisation point (merge_call), which
             # may not sit in a cond in replica context: decide in cross-replica
             # context, as Keras's LossScaleOptimizer does.
