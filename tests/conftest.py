@@ -35,3 +35,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
         if "multi_gpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs two GPUs"))
+
+
+@pytest.fixture(scope="session")
+def mirrored():
+    """One MirroredStrategy over the two logical CPUs, shared by the tests.
+
+    Several strategies with collective all-reduce in one process reuse collective
+    instance keys and then clash ("Shape mismatch in the collective instance");
+    reduction to one device uses no collective ops.
+    """
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if len(cpus) < 2:
+        pytest.skip("needs two logical CPUs")
+    return tf.distribute.MirroredStrategy(
+        cpus[:2], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )

@@ -239,16 +239,12 @@ def test_fit_with_micro_batching_on_shards(tmp_path):
     assert int(model.optimizer.iterations.numpy()) == 2 * 4  # cardinality known: no extra step
 
 
-def test_under_mirrored_strategy(tmp_path):
-    cpus = tf.config.list_logical_devices("CPU")
-    if len(cpus) < 2:
-        pytest.skip("needs two logical CPUs (tests/conftest.py makes them)")
+def test_under_mirrored_strategy(tmp_path, mirrored):
     rng = np.random.default_rng(2)
     x = rng.standard_normal((128, 4)).astype("float32")
     y = rng.standard_normal((128, 1)).astype("float32")
     dataset = write_shards((x, y), tmp_path / "dist", samples_per_shard=50, verbose=0)
-    strategy = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]])
-    with strategy.scope():
+    with mirrored.scope():
         inputs = keras.Input((4,))
         model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
         model.compile(optimizer="sgd", loss="mse")

@@ -11,13 +11,6 @@ from tests.helpers import max_rel_diff
 TOL = 1e-5
 
 
-def devices():
-    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
-    if len(cpus) < 2:
-        pytest.skip("needs two logical CPUs (tests/conftest.py makes them)")
-    return cpus[:2]
-
-
 def make(**kwargs):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
@@ -40,9 +33,9 @@ def data(n=64):
     [{}, {"micro_batch_size": 3}, {"micro_batch_size": 5}, {"clip_global_norm": 0.5}],
     ids=["plain", "micro_batches", "uneven_micro_batches", "clipped"],
 )
-def test_mirrored_equals_one_device_on_the_same_global_batch(kwargs):
+def test_mirrored_equals_one_device_on_the_same_global_batch(kwargs, mirrored):
     x, y = data()
-    strategy = tf.distribute.MirroredStrategy(devices())
+    strategy = mirrored
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     # Dropout would draw different masks per replica; compare without it.
     one = make(**kwargs)
@@ -60,9 +53,9 @@ def test_mirrored_equals_one_device_on_the_same_global_batch(kwargs):
         )
 
 
-def test_a_nonfinite_replica_skips_the_step_on_every_replica():
+def test_a_nonfinite_replica_skips_the_step_on_every_replica(mirrored):
     x, y = data(32)
-    strategy = tf.distribute.MirroredStrategy(devices())
+    strategy = mirrored
     with strategy.scope():
         model = make()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # build and warm up
@@ -78,8 +71,8 @@ def test_a_nonfinite_replica_skips_the_step_on_every_replica():
     assert model.skipped_steps == 1
 
 
-def test_accumulation_under_mirrored_strategy_is_refused_with_the_alternative():
-    strategy = tf.distribute.MirroredStrategy(devices())
+def test_accumulation_under_mirrored_strategy_is_refused_with_the_alternative(mirrored):
+    strategy = mirrored
     with strategy.scope():
         with pytest.raises(ValueError, match="accumulation_steps=2 cannot run under MirroredStrategy.*micro_batch_size"):
             make(accumulation_steps=2)
