@@ -7,7 +7,6 @@ import textwrap
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import kvram
 from kvram.data import ShardedDataset, ShardError, write_shards

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import kvram
 from kvram.parallel import PipelineModel, balance
 from tests.helpers import max_rel_diff
 
