@@ -1,0 +1,128 @@
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from kvram.layers import MemoryEfficientAttention
+from tests.helpers import max_rel_diff
+
+
+def pair(num_heads=4, key_dim=8, chunk_size=16, seed=0):
+    keras.utils.set_random_seed(seed)
+    mha = keras.layers.MultiHeadAttention(num_heads, key_dim)
+    mea = MemoryEfficientAttention(num_heads, key_dim, chunk_size=chunk_size)
+    return mha, mea
+
+
+def inputs(b=2, t=37, s=45, e=16, dtype="float32"):
+    rng = np.random.default_rng(1)
+    q = tf.constant(rng.standard_normal((b, t, e)), dtype=dtype)
+    v = tf.constant(rng.standard_normal((b, s, e)), dtype=dtype)
+    return q, v
+
+
+def run(layer, q, v, graph, **kwargs):
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch([q, v])
+            out = layer(q, v, **kwargs)
+            loss = tf.reduce_sum(tf.cast(out, tf.float32) ** 2)
+        return out, tape.gradient(loss, [q, v] + layer.trainable_weights)
+
+    return tf.function(step)() if graph else step()
+
+
+def compare(mha, mea, q, v, graph, tol, **kwargs):
+    mha(q, v)
+    mea(q, v)
+    mea.set_weights(mha.get_weights())
+    a, ga = run(mha, q, v, graph, **kwargs)
+    b, gb = run(mea, q, v, graph, **kwargs)
+    assert max_rel_diff([a], [b]) < tol
+    # The key projection's bias has an analytically zero gradient (softmax is
+    # shift-invariant per row): compare gradients against the overall scale.
+    assert max_rel_diff(ga, gb, per_tensor=False) < tol
+    assert max_rel_diff([g for i, g in enumerate(ga) if i != 5], [g for i, g in enumerate(gb) if i != 5]) < tol
+
+
+def padding(b=2, t=37, s=45):
+    mask = np.ones((b, t, s), bool)
+    mask[0, :, 40:] = False
+    mask[1, :, 29:] = False
+    return mask
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("case", ["plain", "padding", "causal", "padding_and_causal", "chunk_divides"])
+def test_equals_multi_head_attention_fp32(case, graph):
+    mha, mea = pair(chunk_size=15 if case == "chunk_divides" else 16)
+    if case in ("causal", "padding_and_causal"):
+        q, _ = inputs(t=45)
+        v = q
+    else:
+        q, v = inputs()
+    kwargs = {}
+    if case in ("padding", "padding_and_causal"):
+        kwargs["attention_mask"] = padding(t=q.shape[1])
+    if "causal" in case:
+        kwargs["use_causal_mask"] = True
+    compare(mha, mea, q, v, graph, 1e-5, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_equals_multi_head_attention_mixed(policy):
+    keras.config.set_dtype_policy(policy)
+    mha, mea = pair()
+    q, v = inputs()
+    compare(mha, mea, q, v, False, 1e-2, attention_mask=padding())
+
+
+def test_keras_masks_carried_by_the_inputs():
+    mha, mea = pair()
+    q, v = inputs()
+    value_mask = np.ones((2, 45), bool)
+    value_mask[1, 30:] = False
+    compare(mha, mea, q, v, False, 1e-5, value_mask=tf.constant(value_mask))
+
+
+def test_peak_memory_at_4096_is_a_fraction_of_multi_head_attention():
+    keras.utils.set_random_seed(0)
+    t = 4096
+    q = tf.random.normal((1, t, 32))
+    peaks = {}
+    with tf.device("CPU:0"):
+        for name, layer in (
+            ("mha", keras.layers.MultiHeadAttention(2, 16)),
+            ("mea", MemoryEfficientAttention(2, 16, chunk_size=256)),
+        ):
+            layer(q[:, :8], q[:, :8])
+
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    out = layer(q, q, use_causal_mask=True)
+                    loss = tf.reduce_sum(out)
+                return tape.gradient(loss, layer.trainable_weights)
+
+            step.get_concrete_function()
+            kvram.memory.reset_peak("CPU:0")
+            start = kvram.memory.current_bytes("CPU:0")
+            [g.numpy() for g in step()]
+            peaks[name] = kvram.memory.peak_bytes("CPU:0") - start
+    print({k: v / 2**20 for k, v in peaks.items()})
+    assert peaks["mea"] <= 0.25 * peaks["mha"], peaks
+
+
+def test_unsupported_options_and_config():
+    mea = MemoryEfficientAttention(2, 4, chunk_size=8, dropout=0.1)
+    q, v = inputs()
+    with pytest.raises(NotImplementedError, match="dropout=0.1"):
+        mea(q, v, training=True)
+    mea(q, v, training=False)  # inference: no dropout, works
+    with pytest.raises(ValueError, match="cannot return them"):
+        mea(q, v, return_attention_scores=True)
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        MemoryEfficientAttention(2, 4, chunk_size=0)
+    clone = MemoryEfficientAttention.from_config(mea.get_config())
+    assert clone.chunk_size == 8 and clone.num_heads == 2
