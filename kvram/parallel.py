@@ -126,10 +126,19 @@ class PipelineModel(Model):
     # -- building: each stage's variables on its device
     def build(self, input_shape):
         shape = input_shape
-        for stage, device in zip(self.stages, self.device_names):
+        for k, (stage, device) in enumerate(zip(self.stages, self.device_names)):
             with tf.device(device):
                 if not stage.built:
                     stage.build(shape)
+            wanted = tf.DeviceSpec.from_string(device)
+            for variable in stage.weights:
+                placed = tf.DeviceSpec.from_string(_variable_device(variable) or "/device:CPU:0")
+                if (placed.device_type, placed.device_index) != (wanted.device_type, wanted.device_index):
+                    raise ValueError(
+                        f"Stage {k} ({stage.name}) was built before PipelineModel placed it: "
+                        f"its variable {variable.path} lives on {_variable_device(variable)!r}, "
+                        f"not {device!r}. Pass stages that have not been called or built."
+                    )
             shape = stage.compute_output_shape(shape)
         self.built = True
 
@@ -326,7 +335,10 @@ def balance(layers, devices, by: str = "memory", sample_batch=None, repeats: int
         raise ValueError("`sample_batch` is needed to build the layers and measure them.")
     costs = []
     h = tf.convert_to_tensor(sample_batch)
-    for layer in layers:
+    for original in layers:
+        # Measure a copy: building the layer itself here would create its
+        # variables on the default device, before PipelineModel places them.
+        layer = original.__class__.from_config(original.get_config())
         with tf.GradientTape() as tape:
             tape.watch(h)
             out = layer(h, training=True)

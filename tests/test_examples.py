@@ -17,3 +17,26 @@ def test_digits_shards_example_learns(tmp_path):
     pytest.importorskip("sklearn")
     accuracy = load("digits_shards").main(["--out", str(tmp_path / "digits"), "--epochs", "40"])
     assert accuracy > 0.8  # ten classes: chance is 0.1
+
+
+def test_checkpointing_example_saves_memory_and_matches_loss():
+    results = load("checkpointing").main([])
+    (plain_peak, plain_loss), (ckpt_peak, ckpt_loss) = results[False], results[True]
+    assert ckpt_peak < 0.5 * plain_peak
+    assert abs(ckpt_loss - plain_loss) <= 1e-5 * abs(plain_loss)
+
+
+def test_attention_example_matches_at_a_fraction_of_memory():
+    plain, efficient, difference = load("attention").main(["--length", "1024"])
+    assert efficient <= 0.25 * plain and difference < 1e-4
+
+
+def test_adaptive_batching_example_recovers(tmp_path):
+    losses, controller = load("adaptive_batching").main(["--logdir", str(tmp_path / "logs")])
+    assert controller.oom_count == 3 and losses[-1] < losses[0]
+    assert (tmp_path / "logs" / "memory.png").is_file()
+
+
+def test_two_device_split_example_trains():
+    losses = load("two_device_split").main([])
+    assert losses[-1] < losses[0]

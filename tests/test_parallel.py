@@ -140,3 +140,11 @@ def test_balance_by_memory_and_time():
         balance(stack, ["CPU:0"], by="size", sample_batch=sample)
     with pytest.raises(ValueError, match="between 1 and 6 devices"):
         balance(stack, ["CPU:0"] * 7, sample_batch=sample)
+
+
+def test_stages_built_elsewhere_are_refused():
+    stage = keras.layers.Dense(4)
+    stage.build((None, 3))  # variables on the default device, CPU:0
+    model = PipelineModel([keras.layers.Dense(3), stage], ["CPU:0", "CPU:1"], micro_batches=2)
+    with pytest.raises(ValueError, match="Stage 1 .* was built before PipelineModel placed it"):
+        model.build((None, 5))
