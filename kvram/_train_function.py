@@ -4,7 +4,9 @@ recovers from out-of-memory errors (private).
 Keras compiles a training step into one `tf.function` and calls it with the data
 iterator. An out-of-memory error raised inside it cannot be caught there: it ends
 the call, and `fit()`, with the batch already taken from the iterator. kvram's
-function takes the batch itself, then runs the step in two compiled parts:
+function takes the batch itself. Without a batch controller the step is one
+compiled function (`Model.train_step`, slicing the batch when
+`micro_batch_size` is set). With `AdaptiveBatchSize` it runs in two compiled parts:
 
 1. gradients: forward and backward passes (over micro-batches, if set); this is
    where memory grows with the batch, and where an OOM is recovered from. It
@@ -209,13 +211,7 @@ class TrainFunction:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
             variables += [v for v in optimizer.variables if len(v.shape) == 0]
-        unique, seen = [], set()
-        for variable in variables:
-            key = id(variable)
-            if key not in seen:
-                seen.add(key)
-                unique.append(variable)
-        return tuple(unique)
+        return tuple(unique(variables))
 
     def _snapshot(self):
         state = self._state_variables()
@@ -239,6 +235,16 @@ class TrainFunction:
 
     def _restore(self, saved) -> None:
         self._restore_function(saved)
+
+
+def unique(variables) -> list:
+    """`variables` without repeats (by identity), in order."""
+    seen, result = set(), []
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            result.append(variable)
+    return result
 
 
 def _trace(function, data) -> None:

@@ -20,7 +20,7 @@ from keras import tree
 from keras.src.utils import io_utils
 
 from kvram import _checks, memory
-from kvram._train_function import TrainFunction, is_out_of_memory
+from kvram._train_function import TrainFunction, is_out_of_memory, unique
 
 __all__ = ["AdaptiveBatchSize", "MemoryLogger", "find_max_batch_size", "BatchSizeSearch"]
 
@@ -397,12 +397,7 @@ def _all_variables(model) -> list:
     variables = list(model.variables) + list(model.metrics_variables) + [model._skipped]
     if model.optimizer is not None:
         variables += list(model.optimizer.variables)
-    unique, seen = [], set()
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            unique.append(variable)
-    return unique
+    return unique(variables)
 
 
 class MemoryLogger(keras.callbacks.Callback):
