@@ -141,6 +141,40 @@ def io(args):
             "results": results}
 
 
+def rss(args):
+    """Reads a `--gib` dataset end to end (shuffled, every byte touched) while
+    sampling the process's RssAnon after every batch."""
+    from kvram.data import ShardedDataset
+
+    directory = args.dir or os.path.join(tempfile.gettempdir(), "kvram-rss-bench")
+    if not os.path.exists(os.path.join(directory, "index.json")):
+        make_shards(directory, args.gib, args.row_kib)
+    data = ShardedDataset(directory)
+
+    def rss_anon():
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return None
+
+    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    dataset = data.to_tf_dataset(args.batch, shuffle=True, seed=0)
+    iterator = iter(dataset)
+    checksum = float(next(iterator).numpy().sum())
+    before = rss_anon()
+    samples = [before]
+    started = time.perf_counter()
+    for batch in iterator:
+        checksum += float(batch.numpy().sum())
+        samples.append(rss_anon())
+    seconds = time.perf_counter() - started
+    return {"bytes": data.nbytes, "batch": args.batch, "machine_memory_bytes": total_memory,
+            "rss_anon_after_first_batch": before, "rss_anon_peak": max(samples),
+            "rss_anon_growth": max(samples) - before, "rss_anon_last": samples[-1],
+            "batches": len(samples), "seconds": seconds, "gb_per_s": data.nbytes / seconds / 1e9}
+
+
 def train_child(args):
     import keras
     import tensorflow as tf
@@ -237,6 +271,12 @@ def main(argv=None):
     p_io.add_argument("--cached", action="store_true", help="do not evict the page cache")
     p_io.add_argument("--methods", nargs="*")
     p_io.add_argument("--out", default="io.json")
+    p_rss = sub.add_parser("rss")
+    p_rss.add_argument("--gib", type=float, default=8.0)
+    p_rss.add_argument("--row-kib", type=int, default=64)
+    p_rss.add_argument("--batch", type=int, default=64)
+    p_rss.add_argument("--dir")
+    p_rss.add_argument("--out", default="rss.json")
     p_train = sub.add_parser("train")
     p_train.add_argument("--images", type=int, default=4096)
     p_train.add_argument("--batch", type=int, default=256)
@@ -253,7 +293,7 @@ def main(argv=None):
     if args.command == "train-child":
         print("RESULT " + json.dumps(train_child(args)), flush=True)
         return
-    record = io(args) if args.command == "io" else train(args)
+    record = {"io": io, "rss": rss, "train": train}[args.command](args)
     record.update(command=" ".join(sys.argv), python=platform.python_version(),
                   host=platform.node(), date=time.strftime("%Y-%m-%d"))
     try:
