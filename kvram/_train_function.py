@@ -57,8 +57,7 @@ class TrainFunction:
 
     def __init__(self, model):
         self.model = model
-        self._gradient_functions: dict = {}
-        self._apply_function = None
+        self._functions: dict = {}
         self._state: tuple = ()
         self._snapshot_function = None
         self._restore_function = None
@@ -134,12 +133,18 @@ class TrainFunction:
         del saved
         return self._apply()(gradients)
 
+    def _compiled(self, key, step, jit_compile=False):
+        """`step` as a cached `tf.function` (as is when the model runs eagerly)."""
+        function = self._functions.get(key)
+        if function is None:
+            function = step
+            if not self.model.run_eagerly:
+                function = tf.function(step, reduce_retracing=True, jit_compile=jit_compile)
+            self._functions[key] = function
+        return function
+
     def _fused(self, micro_batch_size):
         """Gradients and update in one compiled step (no recovery needed)."""
-        key = ("fused", micro_batch_size)
-        function = self._gradient_functions.get(key)
-        if function is not None:
-            return function
         model = self.model
         strategy = model.distribute_strategy
 
@@ -147,15 +152,9 @@ class TrainFunction:
             logs = strategy.run(model.train_step, args=(data,))
             return reduce_per_replica(logs, strategy, reduction="auto")
 
-        if not model.run_eagerly:
-            step = tf.function(step, reduce_retracing=True)
-        self._gradient_functions[key] = step
-        return step
+        return self._compiled(("fused", micro_batch_size), step)
 
     def _gradients(self, micro_batch_size):
-        function = self._gradient_functions.get(micro_batch_size)
-        if function is not None:
-            return function
         model = self.model
         strategy = model.distribute_strategy
 
@@ -172,20 +171,12 @@ class TrainFunction:
         def gradients(data):
             return strategy.run(replica_gradients, args=(data,))
 
-        if not model.run_eagerly:
-            # Sliced batches loop in TF's executor; each slice is XLA-compiled
-            # inside (see Model._micro_batch_gradients).
-            gradients = tf.function(
-                gradients,
-                reduce_retracing=True,
-                jit_compile=bool(model.jit_compile) and micro_batch_size is None,
-            )
-        self._gradient_functions[micro_batch_size] = gradients
-        return gradients
+        # Sliced batches loop in TF's executor; each slice is XLA-compiled inside
+        # (see Model._micro_batch_gradients).
+        jit = bool(model.jit_compile) and micro_batch_size is None
+        return self._compiled(("gradients", micro_batch_size), gradients, jit)
 
     def _apply(self):
-        if self._apply_function is not None:
-            return self._apply_function
         model = self.model
         strategy = model.distribute_strategy
 
@@ -198,10 +189,7 @@ class TrainFunction:
             logs = strategy.run(replica_apply, args=(gradients,))
             return reduce_per_replica(logs, strategy, reduction="auto")
 
-        if not model.run_eagerly:
-            apply = tf.function(apply, reduce_retracing=True, jit_compile=bool(model.jit_compile))
-        self._apply_function = apply
-        return apply
+        return self._compiled("apply", apply, bool(model.jit_compile))
 
     # A failed gradient pass writes only these; they are restored after it.
     def _state_variables(self) -> tuple:

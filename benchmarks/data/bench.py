@@ -263,20 +263,20 @@ def train(args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_io = sub.add_parser("io")
-    p_io.add_argument("--gib", type=float, default=1.0)
-    p_io.add_argument("--row-kib", type=int, default=64)
-    p_io.add_argument("--batch", type=int, default=64)
-    p_io.add_argument("--dir")
+
+    def shard_reader(name, gib):
+        command = sub.add_parser(name)
+        command.add_argument("--gib", type=float, default=gib)
+        command.add_argument("--row-kib", type=int, default=64)
+        command.add_argument("--batch", type=int, default=64)
+        command.add_argument("--dir")
+        command.add_argument("--out", default=f"{name}.json")
+        return command
+
+    p_io = shard_reader("io", 1.0)
     p_io.add_argument("--cached", action="store_true", help="do not evict the page cache")
     p_io.add_argument("--methods", nargs="*")
-    p_io.add_argument("--out", default="io.json")
-    p_rss = sub.add_parser("rss")
-    p_rss.add_argument("--gib", type=float, default=8.0)
-    p_rss.add_argument("--row-kib", type=int, default=64)
-    p_rss.add_argument("--batch", type=int, default=64)
-    p_rss.add_argument("--dir")
-    p_rss.add_argument("--out", default="rss.json")
+    shard_reader("rss", 8.0)
     p_train = sub.add_parser("train")
     p_train.add_argument("--images", type=int, default=4096)
     p_train.add_argument("--batch", type=int, default=256)
