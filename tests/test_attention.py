@@ -78,6 +78,17 @@ def test_equals_multi_head_attention_mixed(policy):
     compare(mha, mea, q, v, False, 1e-2, attention_mask=padding())
 
 
+def test_fully_masked_rows_equal_multi_head_attention():
+    # Keras spreads a row with no allowed key evenly over all keys; so must the
+    # chunked softmax and its gradient (the padding keys of the last chunk aside).
+    mha, mea = pair(chunk_size=16)
+    q, v = inputs()
+    mask = padding()
+    mask[0, 3] = False
+    mask[1, :5] = False
+    compare(mha, mea, q, v, False, 1e-5, attention_mask=mask)
+
+
 def test_keras_masks_carried_by_the_inputs():
     mha, mea = pair()
     q, v = inputs()
@@ -117,12 +128,105 @@ def test_peak_memory_at_4096_is_a_fraction_of_multi_head_attention():
 def test_unsupported_options_and_config():
     mea = MemoryEfficientAttention(2, 4, chunk_size=8, dropout=0.1)
     q, v = inputs()
-    with pytest.raises(NotImplementedError, match="dropout=0.1"):
-        mea(q, v, training=True)
-    mea(q, v, training=False)  # inference: no dropout, works
     with pytest.raises(ValueError, match="cannot return them"):
         mea(q, v, return_attention_scores=True)
     with pytest.raises(ValueError, match="chunk_size=0"):
         MemoryEfficientAttention(2, 4, chunk_size=0)
     clone = MemoryEfficientAttention.from_config(mea.get_config())
     assert clone.chunk_size == 8 and clone.num_heads == 2
+
+
+def dense_reference(q, k, v, mask, causal, chunk_size, rate, seed):
+    """Plain softmax attention with chunked_attention's own drop mask, materialised."""
+    from kvram.layers.attention import _Plan
+
+    plan = _Plan(k, None, False, chunk_size, rate, seed)
+    b, n, t = q.shape[:3]
+    s_len = k.shape[2]
+    scores = tf.einsum("bnth,bnsh->bnts", q, k)
+    allowed = tf.ones((b, 1, t, s_len), bool)
+    if mask is not None:
+        allowed = tf.logical_and(allowed, mask[:, None])
+    if causal:
+        allowed = tf.logical_and(allowed, tf.range(t)[:, None] >= tf.range(s_len)[None, :])
+    # Additive mask, as Keras's masked softmax (masked scores keep their gradient).
+    p = tf.nn.softmax(scores + (1.0 - tf.cast(allowed, tf.float32)) * -1e9, axis=-1)
+    if rate:
+        keep = tf.concat([plan.keep((b, n, t, chunk_size), j) for j in range(plan.count.numpy())], -1)
+        p = p * keep[..., :s_len]
+    return tf.einsum("bnts,bnsh->bnth", p, v)
+
+
+@pytest.mark.parametrize("causal,masked", [(False, False), (True, True)])
+def test_dropout_equals_dense_attention_with_the_same_mask(causal, masked):
+    from kvram.layers.attention import chunked_attention
+
+    rng = np.random.default_rng(3)
+    b, n, t, s_len, h = 2, 3, 29, 37, 8
+    q, k, v = (tf.constant(rng.standard_normal(shape), tf.float32)
+               for shape in [(b, n, t, h), (b, n, s_len, h), (b, n, s_len, h)])
+    mask = tf.constant(rng.random((b, t, s_len)) > 0.3) if masked else None
+    seed = tf.constant([7, 11], tf.int32)
+    results = []
+    for fn in (
+        lambda q, k, v: chunked_attention(q, k, v, mask, causal, chunk_size=8, dropout=0.4, seed=seed),
+        lambda q, k, v: dense_reference(q, k, v, mask, causal, 8, 0.4, seed),
+    ):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = fn(q, k, v)
+            loss = tf.reduce_sum(out * tf.sin(out))
+        results.append([out] + tape.gradient(loss, [q, k, v]))
+    for a, b_ in zip(*results):
+        assert max_rel_diff(a, b_) < 1e-5
+    # Dropout did act: some probabilities were dropped.
+    no_drop = dense_reference(q, k, v, mask, causal, 8, 0.0, seed)
+    assert max_rel_diff(results[0][0], no_drop) > 1e-2
+
+
+def test_layer_dropout_is_unbiased_and_replayed_by_checkpoint():
+    keras.utils.set_random_seed(0)
+    mea = MemoryEfficientAttention(2, 8, chunk_size=8, dropout=0.5, seed=1)
+    q, v = inputs(t=13, s=21)
+    plain = mea(q, v, training=False)
+    first, second = mea(q, v, training=True), mea(q, v, training=True)
+    assert max_rel_diff(first, second) > 1e-2  # a new mask every call
+    mean = np.mean([mea(q, v, training=True).numpy() for _ in range(400)], axis=0)
+    assert np.abs(mean - plain.numpy()).mean() < 0.1 * np.abs(plain.numpy()).mean()
+
+    # Checkpoint restores the seed before recomputing: gradients equal a
+    # plain call's from the same seed state.
+    wrapped = kvram.layers.Checkpoint(mea)
+    seed_state = mea._dropout_layer.seed_generator.state
+    start = seed_state.numpy()
+    grads = []
+    for layer in (mea, wrapped):
+        seed_state.assign(start)
+        with tf.GradientTape() as tape:
+            tape.watch(q)
+            loss = tf.reduce_sum(layer(q, v, training=True) ** 2)
+        grads.append(tape.gradient(loss, [q] + mea.trainable_weights))
+    for a, b_ in zip(*grads):
+        assert max_rel_diff(a, b_) < 1e-5
+
+
+def test_xla_compiles_lengths_the_chunk_does_not_divide():
+    mha, mea = pair(chunk_size=16)
+    q, v = inputs(t=37, s=45)
+    mha(q, v)
+    mea(q, v)
+    mea.set_weights(mha.get_weights())
+
+    def step(layer):
+        @tf.function(jit_compile=True)
+        def f():
+            with tf.GradientTape() as tape:
+                tape.watch([q, v])
+                out = layer(q, v, use_causal_mask=True)
+                loss = tf.reduce_sum(out ** 2)
+            return [out] + tape.gradient(loss, [q, v] + layer.trainable_weights[:2])
+
+        return f()
+
+    for a, b_ in zip(step(mha), step(mea)):
+        assert max_rel_diff(a, b_) < 1e-4

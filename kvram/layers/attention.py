@@ -27,8 +27,10 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
     the backward pass recomputes each chunk's scores from the saved log-sum-exp
     instead of keeping them. Softmax statistics are float32 under mixed precision.
 
-    Not supported yet: `dropout > 0` in training (raises), and
-    `return_attention_scores=True` (there are no full scores to return).
+    `dropout` drops attention probabilities as `MultiHeadAttention` does; the
+    drop mask of each chunk is regenerated from a seed in the backward pass, not
+    stored (its random numbers differ from `MultiHeadAttention`'s).
+    `return_attention_scores=True` is not supported (there are no full scores).
 
     Args:
         num_heads, key_dim, ...: as `keras.layers.MultiHeadAttention`.
@@ -65,11 +67,6 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
                 "MemoryEfficientAttention never forms the full attention scores, so it "
                 "cannot return them. Use keras.layers.MultiHeadAttention for that."
             )
-        if self._dropout > 0.0 and training:
-            raise NotImplementedError(
-                "MemoryEfficientAttention does not apply attention dropout yet. "
-                f"Received: dropout={self._dropout} in training"
-            )
         if len(query.shape) != 4:
             raise ValueError("MemoryEfficientAttention attends over one sequence axis.")
         # (B, T, N, H) -> (B, N, T, H)
@@ -79,117 +76,170 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
         mask = None if attention_mask is None else tf.cast(attention_mask, tf.bool)
         causal = bool(use_causal_mask) or getattr(self, "_kvram_causal", False)
         self._kvram_causal = False
-        out = chunked_attention(q, k, v, mask, causal=causal, chunk_size=self.chunk_size)
+        dropout, seed = 0.0, None
+        if self._dropout > 0.0 and training:
+            # The MultiHeadAttention's own dropout layer's seed generator, so a
+            # Checkpoint that restores the layer's state replays the same mask.
+            from keras.src.backend.tensorflow.random import _cast_seed
+            from keras.src.random.seed_generator import draw_seed
+
+            dropout, seed = self._dropout, _cast_seed(draw_seed(self._dropout_layer.seed_generator))
+        out = chunked_attention(
+            q, k, v, mask, causal=causal, chunk_size=self.chunk_size, dropout=dropout, seed=seed
+        )
         return tf.transpose(out, [0, 2, 1, 3]), None
 
 
-def chunked_attention(q, k, v, mask=None, causal=False, chunk_size=512):
+def chunked_attention(q, k, v, mask=None, causal=False, chunk_size=512, dropout=0.0, seed=None):
     """softmax(q k^T + mask) v over chunks of keys, with a memory-light gradient.
 
     Args:
         q: (B, N, T, H), already scaled. k: (B, N, S, H). v: (B, N, S, Hv).
         mask: None or bool (B, T, S), True where attention is allowed.
         causal: also mask keys after each query (position s > t).
-        chunk_size: keys per chunk.
+        chunk_size: keys per chunk. The keys are padded (masked) to a multiple
+            of it, so every chunk has one static shape (XLA compiles the loop).
+        dropout: rate at which attention probabilities are dropped (kept ones
+            are scaled by 1 / (1 - rate)), as `MultiHeadAttention` does.
+        seed: int32 tensor of shape (2,), needed when `dropout > 0`. The drop
+            mask of chunk j is drawn from `stateless_fold_in(seed, j)`, so the
+            backward pass regenerates it instead of storing it.
     """
     out_dtype = v.dtype
+    if dropout and seed is None:
+        raise ValueError("chunked_attention with dropout > 0 needs a `seed`.")
+    plan = _Plan(k, mask, causal, chunk_size, dropout, seed)
 
     @tf.custom_gradient
     def attend(q, k, v):
-        out, lse = _forward(q, k, v, mask, causal, chunk_size)
+        out, m, l = _forward(q, k, v, plan)
 
         def grad(d_out):
-            return _backward(q, k, v, out, lse, d_out, mask, causal, chunk_size)
+            return _backward(q, k, v, out, m, l, d_out, plan)
 
         return tf.cast(out, out_dtype), grad
 
     return attend(q, k, v)
 
 
-def _scores(q, k_chunk, start, mask, causal):
-    """float32 scores of all queries against one chunk of keys, masks applied."""
-    s = tf.einsum("bnth,bnsh->bnts", tf.cast(q, tf.float32), tf.cast(k_chunk, tf.float32))
-    size = tf.shape(k_chunk)[2]
-    allowed = None
-    if mask is not None:
-        allowed = mask[:, None, :, start : start + size]
-    if causal:
-        t = tf.range(tf.shape(q)[2])[:, None]
-        s_index = start + tf.range(size)[None, :]
-        c = (t >= s_index)[None, None]
-        allowed = c if allowed is None else tf.logical_and(allowed, c)
-    if allowed is not None:
-        s = tf.where(allowed, s, tf.constant(_NEG, tf.float32))
-    return s
+class _Plan:
+    """The chunking of the keys, shared by the forward and backward passes."""
+
+    def __init__(self, k, mask, causal, chunk_size, dropout, seed):
+        self.size = chunk_size
+        self.keys = tf.shape(k)[2]
+        self.count = (self.keys + chunk_size - 1) // chunk_size
+        self.padding = self.count * chunk_size - self.keys
+        self.causal = causal
+        self.dropout = float(dropout)
+        self.seed = seed
+        self.mask = None
+        if mask is not None:
+            # (B, T, S) -> (C, B, 1, T, chunk), padded keys not allowed.
+            mask = tf.pad(mask, [[0, 0], [0, 0], [0, self.padding]], constant_values=False)
+            shape = tf.shape(mask)
+            mask = tf.reshape(mask, [shape[0], shape[1], self.count, chunk_size])
+            self.mask = tf.transpose(mask, [2, 0, 1, 3])[:, :, None]
+
+    def split(self, x):
+        """(B, N, S, H) -> (C, B, N, chunk, H), zero-padded."""
+        x = tf.pad(x, [[0, 0], [0, 0], [0, self.padding], [0, 0]])
+        shape = tf.shape(x)
+        x = tf.reshape(x, [shape[0], shape[1], self.count, self.size, shape[3]])
+        return tf.transpose(x, [2, 0, 1, 3, 4])
+
+    def join(self, chunks):
+        """(C, B, N, chunk, H) -> (B, N, S, H), padding removed."""
+        shape = tf.shape(chunks)
+        x = tf.transpose(chunks, [1, 2, 0, 3, 4])
+        x = tf.reshape(x, [shape[1], shape[2], shape[0] * shape[3], shape[4]])
+        return x[:, :, : self.keys]
+
+    def scores(self, q, k_chunk, j):
+        """float32 scores of all queries against chunk j of the keys, masks applied."""
+        s = tf.einsum("bnth,bnsh->bnts", tf.cast(q, tf.float32), tf.cast(k_chunk, tf.float32))
+        position = j * self.size + tf.range(self.size)
+        allowed = None
+        if self.mask is not None:
+            allowed = tf.gather(self.mask, j)
+        if self.causal:
+            t = tf.range(tf.shape(q)[2])[:, None]
+            c = (t >= position[None, :])[None, None]
+            allowed = c if allowed is None else tf.logical_and(allowed, c)
+        if allowed is not None:
+            s = tf.where(allowed, s, tf.constant(_NEG, tf.float32))
+        # Padding keys weigh nothing, even in a row whose every key is masked
+        # (Keras spreads such a row evenly over the real keys).
+        return tf.where((position < self.keys)[None, None, None, :], s, -math.inf)
+
+    def keep(self, shape, j):
+        """Dropout's scale for chunk j: 0 where dropped, 1 / (1 - rate) where kept."""
+        seed = tf.random.experimental.stateless_fold_in(self.seed, j)
+        kept = tf.random.stateless_uniform(shape, seed=seed) >= self.dropout
+        return tf.cast(kept, tf.float32) / (1.0 - self.dropout)
 
 
-def _chunks(total, chunk_size):
-    return (total + chunk_size - 1) // chunk_size
-
-
-def _forward(q, k, v, mask, causal, chunk_size):
+def _forward(q, k, v, plan):
     shape = tf.shape(q)
     b, n, t = shape[0], shape[1], shape[2]
     hv = tf.shape(v)[3]
-    s_len = tf.shape(k)[2]
+    k_chunks, v_chunks = plan.split(k), plan.split(v)
     m0 = tf.fill([b, n, t, 1], tf.constant(-math.inf, tf.float32))
     l0 = tf.zeros([b, n, t, 1], tf.float32)
     o0 = tf.zeros(tf.stack([b, n, t, hv]), tf.float32)
 
     def body(j, m, l, o):
-        start = j * chunk_size
-        k_c = k[:, :, start : start + chunk_size]
-        v_c = tf.cast(v[:, :, start : start + chunk_size], tf.float32)
-        s = _scores(q, k_c, start, mask, causal)
+        s = plan.scores(q, tf.gather(k_chunks, j), j)
         m_new = tf.maximum(m, tf.reduce_max(s, axis=-1, keepdims=True))
         p = tf.exp(s - m_new)
         correction = tf.exp(m - m_new)
         l = l * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
-        o = o * correction + tf.einsum("bnts,bnsh->bnth", p, v_c)
+        if plan.dropout:
+            p = p * plan.keep(tf.shape(p), j)
+        o = o * correction + tf.einsum("bnts,bnsh->bnth", p, tf.cast(tf.gather(v_chunks, j), tf.float32))
         return j + 1, m_new, l, o
 
     _, m, l, o = tf.while_loop(
-        lambda j, *_: j < _chunks(s_len, chunk_size),
+        lambda j, *_: j < plan.count,
         body,
         (tf.constant(0), m0, l0, o0),
         parallel_iterations=1,
     )
-    return o / l, m + tf.math.log(l)
+    # m and l are kept apart: in a fully masked row m is -1e9, and m + log(l)
+    # would round log(l) away in float32.
+    return o / l, m, l
 
 
-def _backward(q, k, v, out, lse, d_out, mask, causal, chunk_size):
+def _backward(q, k, v, out, m, l, d_out, plan):
     d_out = tf.cast(d_out, tf.float32)
     delta = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, N, T, 1)
-    s_len = tf.shape(k)[2]
     q32 = tf.cast(q, tf.float32)
-    count = _chunks(s_len, chunk_size)
-    dk_parts = tf.TensorArray(tf.float32, size=count, infer_shape=False)
-    dv_parts = tf.TensorArray(tf.float32, size=count, infer_shape=False)
+    k_chunks, v_chunks = plan.split(k), plan.split(v)
+    dk_parts = tf.TensorArray(tf.float32, size=plan.count)
+    dv_parts = tf.TensorArray(tf.float32, size=plan.count)
 
     def body(j, dq, dk_parts, dv_parts):
-        start = j * chunk_size
-        k_c = tf.cast(k[:, :, start : start + chunk_size], tf.float32)
-        v_c = tf.cast(v[:, :, start : start + chunk_size], tf.float32)
-        s = _scores(q, k_c, start, mask, causal)
-        p = tf.exp(s - lse)  # recomputed probabilities of this chunk
-        dv_parts = dv_parts.write(j, tf.einsum("bnts,bnth->sbnh", p, d_out))
+        k_c = tf.cast(tf.gather(k_chunks, j), tf.float32)
+        v_c = tf.cast(tf.gather(v_chunks, j), tf.float32)
+        p = tf.exp(plan.scores(q, k_c, j) - m) / l  # recomputed probabilities of this chunk
         dp = tf.einsum("bnth,bnsh->bnts", d_out, v_c)
+        if plan.dropout:
+            keep = plan.keep(tf.shape(p), j)
+            dv_parts = dv_parts.write(j, tf.einsum("bnts,bnth->bnsh", p * keep, d_out))
+            dp = dp * keep
+        else:
+            dv_parts = dv_parts.write(j, tf.einsum("bnts,bnth->bnsh", p, d_out))
         ds = p * (dp - delta)
         dq = dq + tf.einsum("bnts,bnsh->bnth", ds, k_c)
-        dk_parts = dk_parts.write(j, tf.einsum("bnts,bnth->sbnh", ds, q32))
+        dk_parts = dk_parts.write(j, tf.einsum("bnts,bnth->bnsh", ds, q32))
         return j + 1, dq, dk_parts, dv_parts
 
     _, dq, dk_parts, dv_parts = tf.while_loop(
-        lambda j, *_: j < count,
+        lambda j, *_: j < plan.count,
         body,
         (tf.constant(0), tf.zeros_like(q32), dk_parts, dv_parts),
         parallel_iterations=1,
     )
-    dk = _concat_chunks(dk_parts)
-    dv = _concat_chunks(dv_parts)
+    dk = plan.join(dk_parts.stack())
+    dv = plan.join(dv_parts.stack())
     return tf.cast(dq, q.dtype), tf.cast(dk, k.dtype), tf.cast(dv, v.dtype)
-
-
-def _concat_chunks(parts):
-    """TensorArray of (c_j, B, N, H) chunks -> (B, N, S, H)."""
-    return tf.transpose(parts.concat(), [1, 2, 0, 3])
