@@ -79,8 +79,8 @@ def test_equals_multi_head_attention_mixed(policy):
 
 
 def test_fully_masked_rows_equal_multi_head_attention():
-    # Keras spreads a row with no allowed key evenly over all keys; so must the
-    # chunked softmax and its gradient (the padding keys of the last chunk aside).
+    # MultiHeadAttention (through ops.dot_product_attention) spreads a row with
+    # no allowed key evenly over the keys, and masked scores get no gradient.
     mha, mea = pair(chunk_size=16)
     q, v = inputs()
     mask = padding()
@@ -149,8 +149,8 @@ def dense_reference(q, k, v, mask, causal, chunk_size, rate, seed):
         allowed = tf.logical_and(allowed, mask[:, None])
     if causal:
         allowed = tf.logical_and(allowed, tf.range(t)[:, None] >= tf.range(s_len)[None, :])
-    # Additive mask, as Keras's masked softmax (masked scores keep their gradient).
-    p = tf.nn.softmax(scores + (1.0 - tf.cast(allowed, tf.float32)) * -1e9, axis=-1)
+    # As Keras's dot_product_attention (MultiHeadAttention's default path).
+    p = tf.nn.softmax(tf.where(allowed, scores, -1e9), axis=-1)
     if rate:
         keep = tf.concat([plan.keep((b, n, t, chunk_size), j) for j in range(plan.count.numpy())], -1)
         p = p * keep[..., :s_len]

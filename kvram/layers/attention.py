@@ -24,7 +24,8 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
     carried by the inputs, `use_causal_mask`). Keys and values are processed in
     chunks of `chunk_size` with a running maximum and running sum (online
     softmax), so the forward pass holds scores for one chunk of keys at a time;
-    the backward pass recomputes each chunk's scores from the saved log-sum-exp
+    the backward pass recomputes each chunk's scores from the saved running
+    maximum and sum
     instead of keeping them. Softmax statistics are float32 under mixed precision.
 
     `dropout` drops attention probabilities as `MultiHeadAttention` does; the
@@ -156,7 +157,13 @@ class _Plan:
         return x[:, :, : self.keys]
 
     def scores(self, q, k_chunk, j):
-        """float32 scores of all queries against chunk j of the keys, masks applied."""
+        """float32 scores of all queries against chunk j of the keys, and where
+        the masks allow attention (None: everywhere).
+
+        As in Keras's `dot_product_attention`: masked scores are -1e9 (a row
+        with no allowed key spreads evenly over the keys) and pass no gradient.
+        The padding keys of the last chunk are -inf: they weigh nothing.
+        """
         s = tf.einsum("bnth,bnsh->bnts", tf.cast(q, tf.float32), tf.cast(k_chunk, tf.float32))
         position = j * self.size + tf.range(self.size)
         allowed = None
@@ -168,9 +175,8 @@ class _Plan:
             allowed = c if allowed is None else tf.logical_and(allowed, c)
         if allowed is not None:
             s = tf.where(allowed, s, tf.constant(_NEG, tf.float32))
-        # Padding keys weigh nothing, even in a row whose every key is masked
-        # (Keras spreads such a row evenly over the real keys).
-        return tf.where((position < self.keys)[None, None, None, :], s, -math.inf)
+            allowed = tf.cast(allowed, tf.float32)
+        return tf.where((position < self.keys)[None, None, None, :], s, -math.inf), allowed
 
     def keep(self, shape, j):
         """Dropout's scale for chunk j: 0 where dropped, 1 / (1 - rate) where kept."""
@@ -189,7 +195,7 @@ def _forward(q, k, v, plan):
     o0 = tf.zeros(tf.stack([b, n, t, hv]), tf.float32)
 
     def body(j, m, l, o):
-        s = plan.scores(q, tf.gather(k_chunks, j), j)
+        s, _ = plan.scores(q, tf.gather(k_chunks, j), j)
         m_new = tf.maximum(m, tf.reduce_max(s, axis=-1, keepdims=True))
         p = tf.exp(s - m_new)
         correction = tf.exp(m - m_new)
@@ -221,7 +227,8 @@ def _backward(q, k, v, out, m, l, d_out, plan):
     def body(j, dq, dk_parts, dv_parts):
         k_c = tf.cast(tf.gather(k_chunks, j), tf.float32)
         v_c = tf.cast(tf.gather(v_chunks, j), tf.float32)
-        p = tf.exp(plan.scores(q, k_c, j) - m) / l  # recomputed probabilities of this chunk
+        s, allowed = plan.scores(q, k_c, j)
+        p = tf.exp(s - m) / l  # recomputed probabilities of this chunk
         dp = tf.einsum("bnth,bnsh->bnts", d_out, v_c)
         if plan.dropout:
             keep = plan.keep(tf.shape(p), j)
@@ -230,6 +237,8 @@ def _backward(q, k, v, out, m, l, d_out, plan):
         else:
             dv_parts = dv_parts.write(j, tf.einsum("bnts,bnth->bnsh", p, d_out))
         ds = p * (dp - delta)
+        if allowed is not None:
+            ds = ds * allowed  # masked scores pass no gradient
         dq = dq + tf.einsum("bnts,bnsh->bnth", ds, k_c)
         dk_parts = dk_parts.write(j, tf.einsum("bnts,bnth->bnsh", ds, q32))
         return j + 1, dq, dk_parts, dv_parts
