@@ -17,12 +17,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from benchmarks.common import child_result, gpu_name, run_children  # noqa: E402
 
 # name: (framework, settings)
 CONFIGS = {
@@ -151,17 +152,6 @@ def run_torch(settings, batch, steps, warmup):
     }
 
 
-def gpu_name():
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30,
-        )
-        return out.stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
@@ -175,30 +165,14 @@ def main():
     if args.child:
         framework, settings = CONFIGS[args.child]
         runner = run_tf if framework == "tf" else run_torch
-        print("RESULT " + json.dumps(runner(settings, args.batch, args.steps, args.warmup)))
+        child_result(runner(settings, args.batch, args.steps, args.warmup))
         return
 
     names = args.only or list(CONFIGS)
-    results = {}
-    for name in names:
-        started = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", name, "--batch", str(args.batch),
-             "--steps", str(args.steps), "--warmup", str(args.warmup)],
-            capture_output=True, text=True,
-        )
-        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode or not line:
-            results[name] = {"error": (proc.stderr or proc.stdout)[-3000:]}
-        else:
-            results[name] = json.loads(line[-1][len("RESULT "):])
-        results[name]["wall_s"] = time.perf_counter() - started
-        r = results[name]
-        if "error" in r:
-            print(f"{name:24} FAILED: {r['error'][-400:]}", flush=True)
-        else:
-            print(f"{name:24} {r['img_per_s']:8.0f} img/s  {r['peak_gib']:6.2f} GiB  "
-                  f"loss {r['final_loss']:.3f}  ({r['wall_s']:.0f} s)", flush=True)
+    results = run_children(
+        __file__, names, ["--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup],
+        lambda r: f"{r['img_per_s']:8.0f} img/s  {r['peak_gib']:6.2f} GiB  loss {r['final_loss']:.3f}",
+    )
     report = {
         "benchmark": "resnet50-train",
         "gpu": gpu_name(),

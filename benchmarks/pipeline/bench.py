@@ -1,0 +1,186 @@
+"""Two-stage pipeline on two GPUs: a model that does not fit one capped GPU,
+trained split across two; GPipe micro-batching (M=8) vs the naive split (M=1).
+
+The model is a stack of MLP blocks (Dense width->hidden, GELU, Dense
+hidden->width) and a 1000-way classifier, trained with Adam. Each GPU is a
+logical GPU capped at `--cap-gib` (its `memory_limit`).
+
+1. `single`: the whole model as one `kvram.Model` on GPU:0 under the cap: does
+   one step fit? (It should not: that is why it is split.)
+2. `pipeline`: `kvram.parallel.PipelineModel(stages, ["GPU:0", "GPU:1"])`, the
+   layers split by `kvram.parallel.balance(by="memory")`. The same model and
+   optimizer are timed with micro_batches=1 (the naive split: GPU:1 waits for
+   GPU:0, then GPU:0 for GPU:1) and micro_batches=M, alternating, `--rounds`
+   times; samples/s is the median over rounds.
+
+`--logical` runs the same on ONE physical GPU split into two logical GPUs (each
+capped): the two stages then share one chip, so pipelining cannot overlap
+compute; it measures the cost of micro-batching itself.
+
+    python benchmarks/pipeline/bench.py --out two_gpus.json
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/pipeline/bench.py --logical --out one_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from benchmarks.common import gpu_name, timed_fit, versions  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cap-gib", type=float, default=24.0)
+    parser.add_argument("--logical", action="store_true", help="one GPU split into two logical GPUs")
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=16384)
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--checkpoint", action="store_true", help="Checkpoint each stage")
+    parser.add_argument("--skip-single", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="two logical CPUs (smoke test)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--single-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    single = None
+    if not args.skip_single and not args.single_child:
+        import subprocess
+
+        proc = subprocess.run([sys.executable, __file__, "--single-child", *sys.argv[1:]],
+                              capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("SINGLE ")]
+        single = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-2000:]}
+        print("whole model on one capped device:", single, flush=True)
+
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import numpy as np
+    import tensorflow as tf
+
+    cap = tf.config.LogicalDeviceConfiguration(memory_limit=int(args.cap_gib * 1024))
+    if args.cpu:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        devices = ["CPU:0", "CPU:1"]
+    else:
+        gpus = tf.config.list_physical_devices("GPU")
+        if args.logical:
+            tf.config.set_logical_device_configuration(gpus[0], [cap, cap])
+        else:
+            if len(gpus) < 2:
+                raise SystemExit(f"Needs two GPUs (or --logical). Found: {gpus}")
+            for gpu in gpus[:2]:
+                tf.config.set_logical_device_configuration(gpu, [cap])
+        devices = ["GPU:0", "GPU:1"]
+    import keras
+
+    import kvram
+
+    def layers():
+        keras.utils.set_random_seed(0)
+        out = []
+        for i in range(args.blocks):
+            out.append(keras.layers.Dense(args.hidden, activation="gelu", name=f"block{i}_up"))
+            out.append(keras.layers.Dense(args.width, name=f"block{i}_down"))
+        out.append(keras.layers.Dense(1000, name="classifier"))
+        return out
+
+    def compile_(model):
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-5),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.batch, args.width), dtype=np.float32)
+    y = rng.integers(0, 1000, args.batch)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(2)
+    report = {
+        "benchmark": "pipeline-two-stages",
+        "gpu": gpu_name(),
+        "versions": versions(),
+        "mode": "cpu" if args.cpu else ("one GPU split into two logical GPUs" if args.logical else "two GPUs"),
+        "devices": devices,
+        "cap_gib_per_device": args.cap_gib,
+        "model": {"width": args.width, "hidden": args.hidden, "blocks": args.blocks},
+        "batch": args.batch,
+        "command": "python " + " ".join(sys.argv),
+        "single_device": single,
+    }
+
+    if args.single_child:
+        # 1. The whole model on one capped device (its own process, so nothing
+        # it leaves allocated can affect the split runs).
+        started = time.perf_counter()
+        with tf.device(devices[0]):
+            inputs = keras.Input((args.width,))
+            single = kvram.Model(inputs, _apply(layers(), inputs))
+            compile_(single)
+        result = {"parameters": single.count_params()}
+        try:
+            single.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
+            result.update(fits=True, peak_gib=tf.config.experimental.get_memory_info(devices[0])["peak"] / 2**30)
+        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as e:
+            result.update(fits=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        result["seconds"] = time.perf_counter() - started
+        print("SINGLE " + json.dumps(result), flush=True)
+        return
+
+    # 2. Split over the two devices.
+    plan = kvram.parallel.balance(layers(), devices, by="memory", sample_batch=x[:8])
+    print(plan.report, flush=True)
+    report["balance"] = plan.report
+    model = kvram.parallel.PipelineModel(plan.stages, devices, micro_batches=1, checkpoint=args.checkpoint)
+    compile_(model)
+    model.build((None, args.width))
+    report["parameters"] = model.count_params()
+    runs = {1: [], args.micro_batches: []}
+    peaks, losses, functions = {}, [], {}
+    for round_ in range(args.rounds):
+        for m in (1, args.micro_batches):
+            # The step is traced once per m (micro_batches is read when tracing).
+            model.micro_batches = m
+            model.train_function = functions.get(m)
+            timed = timed_fit(model, data, args.steps, args.warmup, devices)
+            functions[m] = model.train_function
+            runs[m].append(args.batch * args.steps / timed["seconds"])
+            peaks[m] = timed["peak_gib"]
+            losses.append(timed["loss"])
+            print(f"round {round_} micro_batches={m}: {runs[m][-1]:.0f} samples/s, "
+                  f"peak {timed['peak_gib']}, loss {timed['loss']:.4f}", flush=True)
+    naive, piped = float(np.median(runs[1])), float(np.median(runs[args.micro_batches]))
+    k, m = 2, args.micro_batches
+    report["pipeline"] = {
+        "trains": True,
+        "losses_in_order": losses,
+        "samples_per_s": {str(key): value for key, value in runs.items()},
+        "median_samples_per_s": {"1": naive, str(m): piped},
+        "peak_gib": {str(key): value for key, value in peaks.items()},
+        "speedup": piped / naive,
+        "gpipe_ideal": k * m / (m + k - 1),
+    }
+    print(f"naive {naive:.0f} samples/s, pipelined (M={m}) {piped:.0f}: {piped / naive:.2f}x "
+          f"(GPipe ideal {k * m / (m + k - 1):.2f}x)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def _apply(layers, x):
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+if __name__ == "__main__":
+    main()

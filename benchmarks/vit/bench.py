@@ -1,0 +1,152 @@
+"""ViT-B/16 training on one GPU: plain Keras fp32 vs kvram vs PyTorch, in one run.
+
+Each configuration runs in its own process, on synthetic 224x224 images resident
+on the GPU, with AdamW (lr 1e-4), and reports images/s over timed steps after
+warm-up, and the peak GPU memory allocated by the framework during them (TF:
+`get_memory_info(...)["peak"]`; PyTorch: `torch.cuda.max_memory_allocated()`;
+both include weights, gradients and optimizer state).
+
+    python benchmarks/vit/bench.py --out results.json        # all configurations
+    python benchmarks/vit/bench.py --only kvram --batch 256  # one
+
+Configurations:
+    keras_fp32     models/vit.py with keras.layers.MultiHeadAttention, no
+                   checkpointing, float32 (TF32 matmuls, TF's default), XLA.
+    keras_bf16     the same under mixed_bfloat16.
+    kvram          kvram: mixed_bfloat16 + a Checkpoint per encoder block +
+                   MemoryEfficientAttention, XLA.
+    kvram_nockpt   kvram without checkpointing (mixed_bfloat16 + the attention).
+    torch_fp16     torchvision vit_b_16, fp16 autocast + GradScaler.
+    torch_bf16     torchvision vit_b_16, bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from benchmarks.common import child_result, gpu_name, run_children, timed_fit, versions  # noqa: E402
+
+CONFIGS = {
+    "keras_fp32": ("tf", dict(policy="float32", attention="keras", checkpoint=False)),
+    "keras_bf16": ("tf", dict(policy="mixed_bfloat16", attention="keras", checkpoint=False)),
+    "kvram": ("tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=True)),
+    "kvram_nockpt": ("tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False)),
+    "torch_fp16": ("torch", dict(dtype="float16")),
+    "torch_bf16": ("torch", dict(dtype="bfloat16")),
+}
+
+
+def run_tf(settings, batch, steps, warmup, device):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+    import tensorflow as tf
+
+    import kvram
+    from models.vit import vit_b16
+
+    kvram.precision.enable(settings["policy"])
+    with tf.device(device):
+        model = vit_b16(attention=settings["attention"], checkpoint=settings["checkpoint"])
+        model.compile(
+            optimizer=keras.optimizers.AdamW(1e-4),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=True,
+        )
+        x = tf.random.uniform((batch, 224, 224, 3))
+        y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    timed = timed_fit(model, data, steps, warmup, [device])
+    return {
+        "versions": versions(),
+        "settings": settings,
+        "parameters": model.count_params(),
+        "img_per_s": batch * steps / timed["seconds"],
+        "peak_gib": timed["peak_gib"][device],
+        "final_loss": timed["loss"],
+    }
+
+
+def run_torch(settings, batch, steps, warmup, device):
+    import torch
+    import torchvision
+
+    dtype = getattr(torch, settings["dtype"])
+    model = torchvision.models.vit_b_16().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.rand(batch, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype):
+            loss = loss_fn(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    final = float(loss)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {
+        "versions": versions(),
+        "settings": settings,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "img_per_s": batch * steps / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "final_loss": final,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0 for a smoke test)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        framework, settings = CONFIGS[args.child]
+        runner = run_tf if framework == "tf" else run_torch
+        child_result(runner(settings, args.batch, args.steps, args.warmup, args.device))
+        return
+    results = run_children(
+        __file__, args.only or list(CONFIGS),
+        ["--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup, "--device", args.device],
+        lambda r: f"{r['img_per_s']:8.0f} img/s  {r['peak_gib']:6.2f} GiB  loss {r['final_loss']:.3f}",
+    )
+    report = {
+        "benchmark": "vit_b16-train",
+        "gpu": gpu_name(),
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "command": "python " + " ".join(sys.argv),
+        "results": results,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
