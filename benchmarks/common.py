@@ -83,6 +83,7 @@ def run_children(script: str, names, args, describe) -> dict:
         r = results[name]
         text = f"FAILED: {r['error'][-400:]}" if "error" in r else describe(r)
         print(f"{name:26} {text}  ({r['wall_s']:.0f} s)", flush=True)
+        print(f"  {name} RESULT {json.dumps(r)}", flush=True)  # kept in logs if a later one stalls
     return results
 
 

@@ -3,6 +3,8 @@ accumulation, clipping and a guard against non-finite gradients."""
 
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 
 import keras
@@ -458,11 +460,15 @@ def _check_mean_reductions(loss) -> None:
 
 def all_finite(gradients) -> tf.Tensor:
     """A boolean scalar: True when every gradient entry is finite (None ignored)."""
-    checks = [
-        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
-        for g in gradients
-        if g is not None
-    ]
+    checks = []
+    for g in gradients:
+        if g is None:
+            continue
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        # Checked where the gradient lives (a pipeline stage's device), so only
+        # the boolean travels.
+        with tf.device(values.device) if values.device else contextlib.nullcontext():
+            checks.append(tf.reduce_all(tf.math.is_finite(values)))
     return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 

@@ -57,8 +57,12 @@ def _device(name) -> str:
 
 
 def _variable_device(variable) -> str:
-    value = getattr(variable, "value", variable)
-    return getattr(value, "device", "") or ""
+    """The device of a Keras variable or of the tf.Variable behind it (the
+    optimizer's update step receives the latter)."""
+    if isinstance(variable, keras.Variable):
+        variable = variable.value
+    device = getattr(variable, "device", "")
+    return device if isinstance(device, str) else ""
 
 
 @keras.saving.register_keras_serializable(package="kvram")
@@ -222,6 +226,10 @@ class PipelineModel(Model):
             records.append((tapes, loss_tape, loss, h))
 
         # Backward: slice by slice, last stage first, each stage under its device.
+        # A stage starts a slice's backward only once it has added the previous
+        # slice's gradients to its sums, so one slice's weight gradients are
+        # alive per stage (the executor would otherwise run them all at once).
+        done = [[] for _ in self.stages]
         for i, (tapes, loss_tape, loss, out) in enumerate(records):
             with tf.name_scope(f"loss_backward_mb{i}"), tf.device(last):
                 grads = loss_tape.gradient(loss, [out] + all_vars)  # + regularisers
@@ -229,7 +237,8 @@ class PipelineModel(Model):
             for k in reversed(range(len(self.stages))):
                 tape, h, stage_out = tapes[k]
                 with tf.name_scope(f"stage{k}_backward_mb{i}"), tf.device(self.device_names[k]):
-                    local = tape.gradient(stage_out, [h] + stage_vars[k], output_gradients=dy)
+                    with tf.control_dependencies(done[k]):
+                        local = tape.gradient(stage_out, [h] + stage_vars[k], output_gradients=dy)
                     for j, (v, g) in enumerate(zip(stage_vars[k], local[1:])):
                         extra_g = direct.get(id(v))
                         if extra_g is not None:
@@ -237,6 +246,7 @@ class PipelineModel(Model):
                         if g is not None:
                             g = tf.convert_to_tensor(g)
                             sums[k][j] = g if sums[k][j] is None else sums[k][j] + g
+                    done[k] = [t for t in sums[k] if t is not None]
                 dy = local[0]
         gradients_by_id = {
             id(v): g for vs, gs in zip(stage_vars, sums) for v, g in zip(vs, gs)

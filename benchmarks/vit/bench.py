@@ -35,10 +35,10 @@ from benchmarks.common import child_result, gpu_name, run_children, timed_fit, v
 
 CONFIGS = {
     "keras_fp32": ("tf", dict(policy="float32", attention="keras", checkpoint=False)),
-    "keras_bf16": ("tf", dict(policy="mixed_bfloat16", attention="keras", checkpoint=False)),
     "kvram": ("tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=True)),
-    "kvram_nockpt": ("tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False)),
     "torch_fp16": ("torch", dict(dtype="float16")),
+    "keras_bf16": ("tf", dict(policy="mixed_bfloat16", attention="keras", checkpoint=False)),
+    "kvram_nockpt": ("tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False)),
     "torch_bf16": ("torch", dict(dtype="bfloat16")),
 }
 
