@@ -127,6 +127,10 @@ class _Plan:
     """The chunking of the keys, shared by the forward and backward passes."""
 
     def __init__(self, k, mask, causal, chunk_size, dropout, seed):
+        if k.shape[2] is not None:
+            # Fewer keys than a chunk: one chunk of exactly that many keys, not
+            # a padded one (a 197-token ViT would otherwise score 512 keys).
+            chunk_size = min(chunk_size, k.shape[2])
         self.size = chunk_size
         self.keys = tf.shape(k)[2]
         self.count = (self.keys + chunk_size - 1) // chunk_size
