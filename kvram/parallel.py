@@ -269,7 +269,13 @@ class PipelineModel(Model):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
-        config["stages"] = [keras.saving.deserialize_keras_object(s) for s in config["stages"]]
+        stages = []
+        for stage, device in zip(config["stages"], config["devices"]):
+            # A stage that builds itself while deserialising (a Sequential with
+            # an Input) must create its variables on its own device.
+            with tf.device(_device(device)):
+                stages.append(keras.saving.deserialize_keras_object(stage))
+        config["stages"] = stages
         return cls(**config)
 
 
