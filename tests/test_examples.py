@@ -40,3 +40,12 @@ def test_adaptive_batching_example_recovers(tmp_path):
 def test_two_device_split_example_trains():
     losses = load("two_device_split").main([])
     assert losses[-1] < losses[0]
+
+
+def test_mixed_precision_example_learns_in_every_policy():
+    results = load("mixed_precision").main([])
+    for policy, r in results.items():
+        assert r["accuracy"] > 0.9, (policy, r)
+    assert results["mixed_bfloat16"]["peak_mib"] < 0.9 * results["float32"]["peak_mib"]
+    assert results["mixed_float16"]["peak_mib"] < 0.9 * results["float32"]["peak_mib"]
+    assert results["mixed_float16"]["loss_scale"] and results["mixed_bfloat16"]["loss_scale"] is None
