@@ -64,6 +64,27 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     }
 
 
+def timed_torch_steps(step, steps: int, warmup: int) -> dict:
+    """Runs `step()` (returns the loss tensor) `warmup` times, then `steps` timed
+    times; returns seconds, the last loss and PyTorch's peak allocated GiB."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    final = float(loss)
+    torch.cuda.synchronize()
+    return {
+        "seconds": time.perf_counter() - start,
+        "loss": final,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
 def run_children(script: str, names, args, describe) -> dict:
     """Runs `script --child NAME ARGS...` for each name, one process each (clean
     allocator statistics), and collects the JSON each prints on a `RESULT` line.
@@ -89,3 +110,42 @@ def run_children(script: str, names, args, describe) -> dict:
 
 def child_result(result: dict) -> None:
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def training_main(doc: str, script: str, benchmark: str, configs: dict, runners: dict, defaults: dict):
+    """The command line shared by the image-training benchmarks: each
+    configuration `name: (framework, settings)` runs in its own process through
+    `runners[framework](settings, batch, steps, warmup, device)`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--only", choices=sorted(configs), action="append")
+    parser.add_argument("--batch", type=int, default=defaults.get("batch", 256))
+    parser.add_argument("--steps", type=int, default=defaults.get("steps", 20))
+    parser.add_argument("--warmup", type=int, default=defaults.get("warmup", 5))
+    parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0 for a smoke test)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        framework, settings = configs[args.child]
+        child_result(runners[framework](settings, args.batch, args.steps, args.warmup, args.device))
+        return
+    results = run_children(
+        script, args.only or list(configs),
+        ["--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup, "--device", args.device],
+        lambda r: f"{r['img_per_s']:8.0f} img/s  {r['peak_gib']:6.2f} GiB  loss {r['final_loss']:.3f}",
+    )
+    report = {
+        "benchmark": benchmark,
+        "gpu": gpu_name(),
+        "python": platform.python_version(),
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "command": "python " + " ".join(sys.argv),
+        "results": results,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)

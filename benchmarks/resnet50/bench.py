@@ -13,17 +13,13 @@ optimizer state).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import child_result, gpu_name, run_children  # noqa: E402
+from benchmarks.common import timed_fit, timed_torch_steps, training_main  # noqa: E402
 
 # name: (framework, settings)
 CONFIGS = {
@@ -44,7 +40,7 @@ CONFIGS = {
 }
 
 
-def run_tf(settings, batch, steps, warmup):
+def run_tf(settings, batch, steps, warmup, device):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
     import tensorflow as tf
@@ -53,7 +49,6 @@ def run_tf(settings, batch, steps, warmup):
     import kvram
 
     kvram.precision.enable(settings["policy"])
-    device = os.environ.get("BENCH_DEVICE", "GPU:0")
     with tf.device(device):
         if settings["model"] == "keras":
             model = keras.applications.ResNet50(weights=None)
@@ -70,32 +65,18 @@ def run_tf(settings, batch, steps, warmup):
         y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
 
-    times = {}
-
-    class Clock(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            times["start"] = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            times["loss"] = float(logs["loss"])  # waits for the last step
-            times["end"] = time.perf_counter()
-
-    model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0, callbacks=[Clock()])
-    tf.config.experimental.reset_memory_stats(device)
-    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
-    peak = tf.config.experimental.get_memory_info(device)["peak"]
-    seconds = times["end"] - times["start"]
+    timed = timed_fit(model, data, steps, warmup, [device])
     return {
         "framework": f"tensorflow {tf.__version__}, keras {keras.__version__}",
         "settings": settings,
-        "img_per_s": batch * steps / seconds,
-        "peak_gib": peak / 2**30,
-        "final_loss": times["loss"],
+        "img_per_s": batch * steps / timed["seconds"],
+        "peak_gib": timed["peak_gib"][device],
+        "final_loss": timed["loss"],
         "skipped_steps": getattr(model, "skipped_steps", None),
     }
 
 
-def run_torch(settings, batch, steps, warmup):
+def run_torch(settings, batch, steps, warmup, device):
     import torch
     import torchvision
     from torch.utils.checkpoint import checkpoint_sequential
@@ -133,59 +114,21 @@ def run_torch(settings, batch, steps, warmup):
         scaler.update()
         return loss
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    final = float(loss)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    timed = timed_torch_steps(step, steps, warmup)
     return {
         "framework": f"torch {torch.__version__}, torchvision {torchvision.__version__}",
         "settings": settings,
-        "img_per_s": batch * steps / seconds,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "final_loss": final,
+        "img_per_s": batch * steps / timed["seconds"],
+        "peak_gib": timed["peak_gib"],
+        "final_loss": timed["loss"],
     }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-
-    if args.child:
-        framework, settings = CONFIGS[args.child]
-        runner = run_tf if framework == "tf" else run_torch
-        child_result(runner(settings, args.batch, args.steps, args.warmup))
-        return
-
-    names = args.only or list(CONFIGS)
-    results = run_children(
-        __file__, names, ["--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup],
-        lambda r: f"{r['img_per_s']:8.0f} img/s  {r['peak_gib']:6.2f} GiB  loss {r['final_loss']:.3f}",
+    training_main(
+        __doc__, __file__, "resnet50-train", CONFIGS, {"tf": run_tf, "torch": run_torch},
+        {"batch": 256, "steps": 40, "warmup": 8},
     )
-    report = {
-        "benchmark": "resnet50-train",
-        "gpu": gpu_name(),
-        "python": platform.python_version(),
-        "batch": args.batch,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "command": "python " + " ".join(sys.argv),
-        "results": results,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -22,16 +22,13 @@ Configurations:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import child_result, gpu_name, run_children, timed_fit, versions  # noqa: E402
+from benchmarks.common import timed_fit, timed_torch_steps, training_main, versions  # noqa: E402
 
 CONFIGS = {
     "keras_fp32": ("tf", dict(policy="float32", attention="keras", checkpoint=False)),
@@ -94,58 +91,22 @@ def run_torch(settings, batch, steps, warmup, device):
         scaler.update()
         return loss
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    final = float(loss)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    timed = timed_torch_steps(step, steps, warmup)
     return {
         "versions": versions(),
         "settings": settings,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "img_per_s": batch * steps / seconds,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "final_loss": final,
+        "img_per_s": batch * steps / timed["seconds"],
+        "peak_gib": timed["peak_gib"],
+        "final_loss": timed["loss"],
     }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0 for a smoke test)")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        framework, settings = CONFIGS[args.child]
-        runner = run_tf if framework == "tf" else run_torch
-        child_result(runner(settings, args.batch, args.steps, args.warmup, args.device))
-        return
-    results = run_children(
-        __file__, args.only or list(CONFIGS),
-        ["--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup, "--device", args.device],
-        lambda r: f"{r['img_per_s']:8.0f} img/s  {r['peak_gib']:6.2f} GiB  loss {r['final_loss']:.3f}",
+    training_main(
+        __doc__, __file__, "vit_b16-train", CONFIGS, {"tf": run_tf, "torch": run_torch},
+        {"batch": 256, "steps": 20, "warmup": 5},
     )
-    report = {
-        "benchmark": "vit_b16-train",
-        "gpu": gpu_name(),
-        "batch": args.batch,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "command": "python " + " ".join(sys.argv),
-        "results": results,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":
