@@ -4,7 +4,6 @@ accumulation, clipping and a guard against non-finite gradients."""
 from __future__ import annotations
 
 import contextlib
-
 import warnings
 
 import keras

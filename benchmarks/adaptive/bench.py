@@ -99,6 +99,7 @@ class StepClock:
 
 def part_by_hand(args):
     tf, keras, shape, classes = setup(args.limit_gib, args.smoke)
+    from kvram._train_function import is_out_of_memory
     model = resnet(keras, shape, classes, kvram_model=False)
     compile_model(keras, model)
     probes = []
@@ -111,6 +112,8 @@ def part_by_hand(args):
                 model.train_on_batch(x, y)
             ok, error = True, None
         except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as exc:
+            if not is_out_of_memory(exc):
+                raise
             ok, error = False, str(exc).strip().splitlines()[0][:160]
         del x, y
         probes.append({"rows": rows, "fits": ok, "seconds": time.perf_counter() - started,

@@ -43,6 +43,7 @@ def child(kind, args):
     import keras
 
     import kvram
+    from kvram._train_function import is_out_of_memory
 
     def model_for(kind):
         keras.utils.set_random_seed(0)
@@ -76,12 +77,13 @@ def child(kind, args):
                 model.train_on_batch(x, y)
             ok, error = True, None
         except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as e:
+            if not is_out_of_memory(e):
+                raise
             ok, error = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         peak = tf.config.experimental.get_memory_info(device)["peak"] / 2**30
         probes.append({"length": length, "trains": ok, "peak_gib": peak if ok else None,
                        "seconds": time.perf_counter() - started, "error": error})
-        print(f"{kind} length {length}: {'trains' if ok else 'fails'} "
-              f"({peak:.2f} GiB peak)" if ok else f"{kind} length {length}: fails", flush=True)
+        print(f"{kind} length {length}: " + (f"trains ({peak:.2f} GiB peak)" if ok else "fails"), flush=True)
         del x, y
         return ok
 
@@ -101,6 +103,8 @@ def child(kind, args):
             timing[str(length)] = {"rows": rows, "median_s": float(np.median(seconds)),
                                    "min_s": float(np.min(seconds))}
         except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as e:
+            if not is_out_of_memory(e):
+                raise
             timing[str(length)] = {"rows": rows, "error": type(e).__name__}
         print(f"{kind} time at {length}x{rows}: {timing[str(length)]}", flush=True)
         del x, y

@@ -85,6 +85,7 @@ def main():
     import keras
 
     import kvram
+    from kvram._train_function import is_out_of_memory
 
     def layers():
         keras.utils.set_random_seed(0)
@@ -124,13 +125,15 @@ def main():
         started = time.perf_counter()
         with tf.device(devices[0]):
             inputs = keras.Input((args.width,))
-            single = kvram.Model(inputs, _apply(layers(), inputs))
-            compile_(single)
-        result = {"parameters": single.count_params()}
+            whole = kvram.Model(inputs, _apply(layers(), inputs))
+            compile_(whole)
+        result = {"parameters": whole.count_params()}
         try:
-            single.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
+            whole.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
             result.update(fits=True, peak_gib=tf.config.experimental.get_memory_info(devices[0])["peak"] / 2**30)
         except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as e:
+            if not is_out_of_memory(e):
+                raise
             result.update(fits=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         result["seconds"] = time.perf_counter() - started
         print("SINGLE " + json.dumps(result), flush=True)
