@@ -70,12 +70,53 @@ def test_equals_multi_head_attention_fp32(case, graph):
     compare(mha, mea, q, v, graph, 1e-5, **kwargs)
 
 
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-def test_equals_multi_head_attention_mixed(policy):
+BF16_CAUSAL = pytest.mark.xfail(
+    strict=True,
+    reason="bf16 with a causal mask: one gradient tensor differs from MultiHeadAttention's by 1.3e-2 "
+    "(bar 1e-2). MultiHeadAttention's own bf16 gradients are 1.2e-2 from the float32 computation; "
+    "see test_bf16_error_is_no_larger_than_multi_head_attentions",
+)
+
+
+@pytest.mark.parametrize(
+    "policy, masks",
+    [
+        ("mixed_bfloat16", "padding"),
+        pytest.param("mixed_bfloat16", "causal", marks=BF16_CAUSAL),
+        ("mixed_float16", "padding"),
+        ("mixed_float16", "causal"),
+    ],
+)
+def test_equals_multi_head_attention_mixed(policy, masks):
     keras.config.set_dtype_policy(policy)
+    mha, mea = pair()  # chunks of 16 keys: 45 keys leave a short last chunk
+    if masks == "padding":
+        q, v = inputs()
+        compare(mha, mea, q, v, False, 1e-2, attention_mask=padding())
+    else:
+        q, _ = inputs(t=45)
+        compare(mha, mea, q, q, False, 1e-2, use_causal_mask=True)
+
+
+def test_bf16_error_is_no_larger_than_multi_head_attentions():
+    # Against the same layers computed in float32, MemoryEfficientAttention under
+    # mixed_bfloat16 (float32 softmax statistics) is no less accurate than
+    # MultiHeadAttention under mixed_bfloat16, output and gradients.
+    q, _ = inputs(t=45)
+    reference, _ = pair()
+    reference(q, q)
+    weights = reference.get_weights()
+    truth, truth_grads = run(reference, q, q, False, use_causal_mask=True)
+    keras.config.set_dtype_policy("mixed_bfloat16")
     mha, mea = pair()
-    q, v = inputs()
-    compare(mha, mea, q, v, False, 1e-2, attention_mask=padding())
+    errors = {}
+    for name, layer in (("mha", mha), ("mea", mea)):
+        layer(q, q)
+        layer.set_weights(weights)
+        out, grads = run(layer, q, q, False, use_causal_mask=True)
+        errors[name] = (max_rel_diff([truth], [out]), max_rel_diff(truth_grads, grads, per_tensor=False))
+    assert errors["mea"][0] <= 1.1 * errors["mha"][0], errors
+    assert errors["mea"][1] <= 1.1 * errors["mha"][1], errors
 
 
 def test_fully_masked_rows_equal_multi_head_attention():
