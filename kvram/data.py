@@ -16,23 +16,24 @@ names inside the directory.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
 import shutil
 import tempfile
 import threading
+import warnings
 from typing import Iterable, Mapping
 
 import numpy as np
+
+from kvram import _verify
 
 __all__ = ["write_shards", "ShardedDataset", "ShardError", "FORMAT", "VERSION"]
 
 FORMAT = "kvram-shards"
 VERSION = 1
 INDEX = "index.json"
-_HASH_CHUNK = 16 * 2**20
 
 
 class ShardError(ValueError):
@@ -157,7 +158,9 @@ def write_shards(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return ShardedDataset(directory)
+    with warnings.catch_warnings():  # the caller chose checksum=False; no warning here
+        warnings.filterwarnings("ignore", message=".*have no checksum in the index")
+        return ShardedDataset(directory)
 
 
 def _write_into(staging, batches, total, samples_per_shard, checksum, verbose) -> dict:
@@ -185,7 +188,7 @@ def _write_into(staging, batches, total, samples_per_shard, checksum, verbose) -
             files[name] = {
                 "name": file_name,
                 "bytes": os.path.getsize(path),
-                "sha256": _sha256(path) if checksum else None,
+                "sha256": _verify.sha256(path) if checksum else None,
             }
         shards.append({"samples": rows, "files": files})
         written += rows
@@ -247,36 +250,35 @@ def _check_batch(batch: dict, spec: dict) -> None:
             )
 
 
-def _sha256(path: str, progress=None) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while True:
-            chunk = handle.read(_HASH_CHUNK)
-            if not chunk:
-                break
-            digest.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------- reading
 
 
 class _Shard:
-    def __init__(self, start: int, samples: int, paths: dict):
-        self.start, self.samples, self.paths = start, samples, paths
+    def __init__(self, number: int, start: int, samples: int, paths: dict, sha256: dict):
+        self.number, self.start, self.samples, self.paths = number, start, samples, paths
+        self.files = [(paths[name], sha256.get(name)) for name in paths]
+        self.verifier: _verify.ShardVerifier | None = None
         self._arrays: dict | None = None
         self._lock = threading.Lock()
 
     def arrays(self) -> dict:
+        if self.verifier is not None:
+            self.verifier.ensure(self.number)
         if self._arrays is None:
             with self._lock:
                 if self._arrays is None:
-                    self._arrays = {
-                        name: np.load(path, mmap_mode="r", allow_pickle=False)
-                        for name, path in self.paths.items()
-                    }
+                    try:
+                        self._arrays = {
+                            name: np.load(path, mmap_mode="r", allow_pickle=False)
+                            for name, path in self.paths.items()
+                        }
+                    except OSError as error:
+                        raise ShardError(
+                            error.filename if isinstance(error.filename, str) else self.files[0][0],
+                            f"cannot be read ({error.strerror or error}); was it deleted or "
+                            f"moved after the dataset was opened? Samples {self.start} to "
+                            f"{self.start + self.samples - 1} (shard {self.number}).",
+                        ) from None
         return self._arrays
 
 
@@ -289,8 +291,26 @@ class ShardedDataset:
     as the index says, C order, and its size on disk (a truncated file fails
     here, not in the middle of an epoch). Errors are `ShardError`s naming the file.
 
+    Reading checks each shard's files against the SHA-256 stored in the index
+    the first time this process reads that shard (`verify_on_read=True`), so a
+    flipped byte is an error naming the file and its samples, never data
+    trained on. Background threads check the shards the reader needs next, a
+    few ahead of it, while it reads; a shard is never handed out before its
+    check has passed. Each file is hashed once per process (again only if it
+    changed on disk); later epochs cost nothing. Measured cost:
+    `benchmarks/README.md` (data). Files written with `checksum=False` have
+    no checksum to compare and are read unchecked (a warning says so).
+
     Args:
         directory: the shard directory.
+        verify_on_read: bool, check checksums on first read (default). False
+            is the explicit opt-out: bytes are read as they are on disk.
+        verify_threads: None (up to 4, half the CPU cores) or int >= 0, the
+            background threads checking shards ahead of the reader (0: each
+            shard is checked by the read that first needs it).
+
+    Raises:
+        ShardError: at open time, for an index or file that does not match.
 
     Example:
     ```python
@@ -299,7 +319,17 @@ class ShardedDataset:
     ```
     """
 
-    def __init__(self, directory):
+    def __init__(self, directory, verify_on_read: bool = True, verify_threads: int | None = None):
+        from kvram import _checks
+
+        self.verify_on_read = _checks.boolean("verify_on_read", verify_on_read)
+        if verify_threads is None:
+            verify_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
+        elif isinstance(verify_threads, bool) or not isinstance(verify_threads, int) or verify_threads < 0:
+            raise ValueError(
+                f"`verify_threads` must be None or an int >= 0. Received: verify_threads={verify_threads!r}"
+            )
+        self.verify_threads = verify_threads
         self.directory = os.path.abspath(os.fspath(directory))
         index_path = os.path.join(self.directory, INDEX)
         if not os.path.isdir(self.directory):
@@ -315,6 +345,22 @@ class ShardedDataset:
         self.fields = self._check_index(index, index_path)
         self._shards = self._check_shards(index, index_path)
         self._starts = np.array([s.start for s in self._shards] + [len(self)], dtype=np.int64)
+        self._verifier = None
+        if self.verify_on_read:
+            unchecked = sum(sha is None for shard in self._shards for _, sha in shard.files)
+            if unchecked:
+                warnings.warn(
+                    f"{self.directory}: {unchecked} shard files have no checksum in the index "
+                    "(written with checksum=False), so corruption in them cannot be detected "
+                    "when they are read.",
+                    stacklevel=2,
+                )
+            self._verifier = _verify.ShardVerifier(
+                self._shards, ShardError, threads=self.verify_threads,
+                lookahead=2 * max(1, self.verify_threads),
+            )
+            for shard in self._shards:
+                shard.verifier = self._verifier
 
     # -- validation
     def _check_index(self, index, index_path) -> dict:
@@ -351,7 +397,8 @@ class ShardedDataset:
             paths = {}
             for name, info in files.items():
                 paths[name] = self._check_file(index_path, number, name, info, samples)
-            shards.append(_Shard(start, samples, paths))
+            sha256 = {name: info.get("sha256") or None for name, info in files.items()}
+            shards.append(_Shard(number, start, samples, paths, sha256))
             start += samples
         if int(index.get("samples", -1)) != start:
             raise ShardError(index_path, f"'samples' says {index.get('samples')!r} but the shards hold {start}")
@@ -437,14 +484,16 @@ class ShardedDataset:
                 progress.update(done[0])
 
         for path, expected in jobs:
-            actual = _sha256(path, advance)
+            actual = _verify.sha256(path, advance)
             if actual != expected:
-                raise ShardError(path, f"checksum mismatch: sha256 {actual}, the index says {expected}")
+                raise ShardError(path, f"checksum mismatch: SHA-256 {actual}, index.json says {expected}")
 
     def read(self, start: int, stop: int, fields=None) -> dict:
         """Samples [start, stop) as {field: array}; views into the memmaps when the
         range lies in one shard, else a concatenated copy."""
         names = list(self.fields) if fields is None else list(fields)
+        if self._verifier is not None:
+            self._start_verification(None)
         first = int(np.searchsorted(self._starts, start, side="right") - 1)
         pieces = {n: [] for n in names}
         position = start
@@ -459,6 +508,20 @@ class ShardedDataset:
             position = shard.start + local_stop
             shard_number += 1
         return {n: p[0] if len(p) == 1 else np.concatenate(p) for n, p in pieces.items()}
+
+    def _start_verification(self, block_starts) -> None:
+        """Starts the background checks (once), in the order reads will need the
+        shards: that of `block_starts` (the first sample of each block read, in
+        reading order), or the index's order."""
+        if self._verifier is None or self._verifier.started:
+            return
+        if block_starts is None:
+            order = range(len(self._shards))
+        else:
+            shard_of = np.searchsorted(self._starts, block_starts, side="right") - 1
+            _, first = np.unique(shard_of, return_index=True)
+            order = shard_of[np.sort(first)]
+        self._verifier.start(order)
 
     # -- tf.data
     def to_tf_dataset(
@@ -527,6 +590,8 @@ class ShardedDataset:
         def read_batch(epoch_seed, number):
             start = int(number) * batch_size
             stop = min(start + batch_size, total)
+            if shuffle and self._verifier is not None:
+                self._start_verification(plan(int(epoch_seed))[0][:, 0])
             if not shuffle:
                 arrays = self.read(start, stop, names)
                 return [arrays[n] for n in names]

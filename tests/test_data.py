@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import keras
 import numpy as np
@@ -213,6 +214,124 @@ def test_checksum_mismatch_on_verify(shards):
     with pytest.raises(ShardError, match="checksum mismatch") as error:
         dataset.verify(verbose=0)
     assert error.value.path == path
+
+
+def _flip_a_byte(path, offset_from_end=1000):
+    with open(path, "r+b") as handle:
+        handle.seek(-offset_from_end, os.SEEK_END)
+        byte = handle.read(1)
+        handle.seek(-offset_from_end, os.SEEK_END)
+        handle.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_flipped_byte_is_an_error_before_any_of_its_samples_is_read(shards, threads, shuffle):
+    path = os.path.join(shards.directory, "x-00002.npy")  # samples 600 to 899
+    _flip_a_byte(path)
+    kvram.data._verify.forget_checked()
+    dataset = ShardedDataset(shards.directory, verify_threads=threads)
+    seen = []
+    with pytest.raises(Exception, match="checksum mismatch") as error:
+        for _, y, _ in dataset.to_tf_dataset(50, shuffle=shuffle, seed=1):
+            seen.extend(y.numpy().tolist())
+    text = str(error.value)
+    assert "ShardError" in text and path in text and "Samples 600 to 899 (shard 2)" in text
+    assert not any(600 <= i < 900 for i in seen), "a sample of the corrupt shard was handed out"
+    # Every read after the first error fails too, also of intact shards.
+    with pytest.raises(ShardError, match="checksum mismatch") as again:
+        dataset.read(0, 10)
+    assert again.value.path == path
+
+
+def test_a_flipped_byte_stops_fit(shards, tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((400, 4)).astype("float32")
+    data = write_shards((x, x[:, :1]), tmp_path / "fit", samples_per_shard=100, verbose=0)
+    _flip_a_byte(os.path.join(data.directory, "x-00003.npy"), offset_from_end=3)
+    kvram.data._verify.forget_checked()
+    inputs = keras.Input((4,))
+    model = kvram.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(Exception, match=r"x-00003.npy: checksum mismatch.*Samples 300 to 399"):
+        model.fit(ShardedDataset(data.directory).to_tf_dataset(100, shuffle=False), verbose=0)
+
+
+def test_the_opt_out_reads_the_bytes_as_they_are(shards):
+    x, _, _ = arrays()
+    path = os.path.join(shards.directory, "x-00002.npy")
+    _flip_a_byte(path, offset_from_end=4)  # the last float of sample 899
+    kvram.data._verify.forget_checked()
+    unchecked = ShardedDataset(shards.directory, verify_on_read=False)
+    ex, ey, _ = epoch(unchecked.to_tf_dataset(100, shuffle=False))
+    assert ex[899, -1, -1] != x[899, -1, -1]
+    np.testing.assert_array_equal(ex[:899], x[:899])
+    with pytest.raises(ShardError, match="checksum mismatch"):
+        ShardedDataset(shards.directory).read(850, 900)
+
+
+def test_each_file_is_hashed_once_per_process(shards, monkeypatch):
+    kvram.data._verify.forget_checked()
+    calls = []
+    real = kvram.data._verify.sha256
+    monkeypatch.setattr(kvram.data._verify, "sha256", lambda path, *a: calls.append(path) or real(path, *a))
+    for _ in range(2):  # two epochs of one dataset, then a second dataset on the same files
+        epoch(shards.to_tf_dataset(64, shuffle=True, seed=0))
+    epoch(ShardedDataset(shards.directory).to_tf_dataset(64, shuffle=False))
+    files = sorted(os.path.join(shards.directory, n) for n in os.listdir(shards.directory) if n.endswith(".npy"))
+    assert sorted(calls) == files  # 4 shards x 3 fields, each once
+    # A file written since is checked again.
+    x, _, _ = arrays()
+    np.save(files[0], np.load(files[0]))
+    calls.clear()
+    ShardedDataset(shards.directory).read(0, 1)
+    assert calls == [files[0]]
+
+
+def test_a_shard_deleted_after_open(shards):
+    path = os.path.join(shards.directory, "y-00001.npy")
+    for verify in (True, False):
+        kvram.data._verify.forget_checked()
+        dataset = ShardedDataset(shards.directory, verify_on_read=verify, verify_threads=0)
+        dataset.read(0, 10)  # shard 0 read (and memmapped) before the deletion
+        os.rename(path, path + ".away")
+        with pytest.raises(ShardError, match=r"cannot be read \(No such file or directory\); was it "
+                           r"deleted or moved after the dataset was opened\? Samples 300 to 599") as error:
+            dataset.read(300, 310)
+        assert error.value.path == path
+        os.rename(path + ".away", path)
+    # A shard already being read keeps its data when its files are deleted (POSIX).
+    kvram.data._verify.forget_checked()
+    dataset = ShardedDataset(shards.directory)
+    first = epoch(dataset.to_tf_dataset(100, shuffle=False))
+    for name in os.listdir(shards.directory):
+        os.remove(os.path.join(shards.directory, name))
+    second = epoch(dataset.to_tf_dataset(100, shuffle=False))
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_shards_without_checksums_warn_that_they_cannot_be_checked(tmp_path):
+    x, y, _ = arrays(20)
+    data = write_shards((x, y), tmp_path / "nosum", checksum=False, verbose=0)
+    with pytest.warns(UserWarning, match="2 shard files have no checksum"):
+        ShardedDataset(data.directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardedDataset(data.directory, verify_on_read=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"verify_on_read": 1}, TypeError, "verify_on_read=1"),
+        ({"verify_threads": -1}, ValueError, "verify_threads=-1"),
+        ({"verify_threads": 1.5}, ValueError, "verify_threads=1.5"),
+    ],
+)
+def test_sharded_dataset_bad_arguments(shards, kwargs, error, text):
+    with pytest.raises(error, match=text):
+        ShardedDataset(shards.directory, **kwargs)
 
 
 def test_not_a_shard_directory(tmp_path):
