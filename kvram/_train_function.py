@@ -161,12 +161,16 @@ class TrainFunction:
         def replica_gradients(data):
             from keras.src.trainers.data_adapters import data_adapter_utils
 
+            from kvram.model import all_finite, bad_inputs
+
             x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
             if micro_batch_size is None:
                 gradients, y_pred = model._slice_gradients(x, y, sample_weight)
                 model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-                return gradients
-            return model._micro_batch_gradients(x, y, sample_weight, micro_batch_size)
+            else:
+                gradients = model._micro_batch_gradients(x, y, sample_weight, micro_batch_size)
+            # The batch is checked for NaN/Inf only when its gradients are not finite.
+            return gradients, bad_inputs(all_finite(gradients), (x, y, sample_weight))
 
         def gradients(data):
             return strategy.run(replica_gradients, args=(data,))
@@ -180,13 +184,15 @@ class TrainFunction:
         model = self.model
         strategy = model.distribute_strategy
 
-        def replica_apply(gradients):
+        def replica_apply(gradients, inputs_bad):
             if model.trainable_weights:
-                model._apply_gradients(list(gradients), model.trainable_weights)
+                model._apply_gradients(
+                    list(gradients), model.trainable_weights, bad_inputs=inputs_bad
+                )
             return model._kvram_logs(model.get_metrics_result())
 
-        def apply(gradients):
-            logs = strategy.run(replica_apply, args=(gradients,))
+        def apply(result):
+            logs = strategy.run(replica_apply, args=result)
             return reduce_per_replica(logs, strategy, reduction="auto")
 
         return self._compiled("apply", apply, bool(model.jit_compile))
@@ -195,7 +201,7 @@ class TrainFunction:
     def _state_variables(self) -> tuple:
         model = self.model
         variables = list(model.non_trainable_variables) + list(model.metrics_variables)
-        variables.append(model._skipped)
+        variables += model._kvram_counters()
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
             variables += [v for v in optimizer.variables if len(v.shape) == 0]

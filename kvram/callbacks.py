@@ -394,7 +394,7 @@ def find_max_batch_size(
 
 
 def _all_variables(model) -> list:
-    variables = list(model.variables) + list(model.metrics_variables) + [model._skipped]
+    variables = list(model.variables) + list(model.metrics_variables) + model._kvram_counters()
     if model.optimizer is not None:
         variables += list(model.optimizer.variables)
     return unique(variables)

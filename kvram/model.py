@@ -4,9 +4,11 @@ accumulation, clipping and a guard against non-finite gradients."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import tree
 from keras.src.losses import loss as loss_module
@@ -18,7 +20,16 @@ from kvram import _checks, _train_function
 
 __all__ = ["Model"]
 
-_KVRAM_ARGS = ("accumulation_steps", "micro_batch_size", "clip_global_norm", "skip_nonfinite")
+_log = logging.getLogger("kvram")
+_KVRAM_ARGS = (
+    "accumulation_steps",
+    "micro_batch_size",
+    "clip_global_norm",
+    "skip_nonfinite",
+    "max_consecutive_skips",
+)
+# A run of skipped steps is warned about at this length, then at 10x, 100x, ...
+_WARN_AFTER_SKIPS = 5
 # Loss reductions that are a mean over the batch's rows, so that the slices'
 # losses weighted by their share of rows add up to the batch's loss.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -62,6 +73,16 @@ class Model(keras.Model):
       does the skip itself and halves its loss scale, the one optimizer variable
       that must change for dynamic loss scaling to work; the skip is counted the
       same way.
+    - `max_consecutive_skips=20`: a run of skipped steps that does not end is a
+      broken run, not bad luck (with all-NaN inputs every step is skipped, for
+      ever). After 5 skipped steps in a row a warning says so; at this many
+      `fit()` stops with a `FloatingPointError` naming the likely cause: NaN/Inf
+      in the inputs (the skipped batches are checked, at no cost to the others),
+      float16 overflow with the loss scale fallen below 1, or a computation that
+      diverged (the loss before the run, the learning rate). Weights and
+      optimizer state are as after the last good step. Under mixed_float16 a
+      healthy start skips a few steps while the loss scale drops from 2**15;
+      20 leaves room for 15 halvings.
 
     Args:
         *args: `inputs, outputs` for a functional model, or nothing for a subclass.
@@ -70,6 +91,8 @@ class Model(keras.Model):
             backward pass.
         clip_global_norm: None or float > 0, maximum global gradient norm.
         skip_nonfinite: bool, skip steps with NaN/Inf gradients.
+        max_consecutive_skips: None (no limit) or int >= 1, skipped steps in a
+            row after which `fit()` raises `FloatingPointError`.
         **kwargs: `keras.Model` arguments (`name`, ...).
 
     Raises:
@@ -95,6 +118,7 @@ class Model(keras.Model):
         micro_batch_size: int | None = None,
         clip_global_norm: float | None = None,
         skip_nonfinite: bool = True,
+        max_consecutive_skips: int | None = 20,
         **kwargs,
     ):
         self.accumulation_steps = _checks.positive_int("accumulation_steps", accumulation_steps)
@@ -106,19 +130,34 @@ class Model(keras.Model):
             "clip_global_norm", clip_global_norm, allow_none=True
         )
         self.skip_nonfinite = _checks.boolean("skip_nonfinite", skip_nonfinite)
+        self.max_consecutive_skips = _checks.positive_int(
+            "max_consecutive_skips", max_consecutive_skips, allow_none=True
+        )
         super().__init__(*args, **kwargs)
         from kvram import precision
 
         self._built_under_policy = precision.current_policy()
         with tf.init_scope():
-            self._skipped = tf.Variable(
-                0,
-                dtype=tf.int64,
-                trainable=False,
-                name="kvram_skipped_steps",
-                synchronization=tf.VariableSynchronization.ON_WRITE,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-            )
+
+            def counter(name):
+                return tf.Variable(
+                    0,
+                    dtype=tf.int64,
+                    trainable=False,
+                    name=name,
+                    synchronization=tf.VariableSynchronization.ON_WRITE,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+
+            self._skipped = counter("kvram_skipped_steps")
+            # The current run of skipped steps, and how many of its batches held
+            # NaN/Inf inputs (0 again after a step that is applied).
+            self._skip_run = counter("kvram_skip_run")
+            self._skip_run_bad_inputs = counter("kvram_skip_run_bad_inputs")
+
+    def _kvram_counters(self) -> list:
+        """kvram's own step counters (restored with the step after an OOM)."""
+        return [self._skipped, self._skip_run, self._skip_run_bad_inputs]
 
     @property
     def skipped_steps(self) -> int:
@@ -214,7 +253,11 @@ class Model(keras.Model):
                 stacklevel=2,
             )
         callbacks = kwargs.get("callbacks")
-        controllers = [c for c in (callbacks or []) if hasattr(c, "_kvram_controls_batch")]
+        callbacks = list(callbacks or [])
+        if self.skip_nonfinite or self.max_consecutive_skips is not None:
+            callbacks.append(_SkipWatch(self.max_consecutive_skips))
+        kwargs["callbacks"] = callbacks
+        controllers = [c for c in callbacks if hasattr(c, "_kvram_controls_batch")]
         if len(controllers) > 1:
             raise ValueError(
                 "Pass at most one AdaptiveBatchSize callback to fit(). "
@@ -256,7 +299,13 @@ class Model(keras.Model):
         else:
             gradients = self._micro_batch_gradients(x, y, sample_weight, self._micro_batch_size)
         if self.trainable_weights:
-            self._apply_gradients(gradients, self.trainable_weights)
+            finite = all_finite(gradients)
+            self._apply_gradients(
+                gradients,
+                self.trainable_weights,
+                finite=finite,
+                bad_inputs=bad_inputs(finite, (x, y, sample_weight)),
+            )
         else:
             warnings.warn("The model does not have any trainable weights.")
         if self._micro_batch_size is None:
@@ -358,20 +407,35 @@ class Model(keras.Model):
             self._jit_slice_gradients = function
         return function
 
-    def _apply_gradients(self, gradients, trainable_weights):
-        finite = all_finite(gradients)
+    def _apply_gradients(self, gradients, trainable_weights, finite=None, bad_inputs=None):
+        """Applies `gradients` unless they are not all finite.
+
+        `finite` (this replica's gradients are all finite) is computed when not
+        given; `bad_inputs` (a boolean: this replica's batch held NaN/Inf, see
+        `bad_inputs()`) feeds the diagnosis of a run of skipped steps.
+        """
+        if finite is None:
+            finite = all_finite(gradients)
+        if bad_inputs is None:
+            bad_inputs = tf.constant(False)
         context = tf.distribute.get_replica_context()
         replicated = context is not None and context.num_replicas_in_sync > 1
         if replicated:
             # One decision for all replicas: skip when any replica's gradients
             # are not finite (they are summed into one update).
             bad = context.all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.int32)
+                tf.distribute.ReduceOp.SUM,
+                tf.cast(tf.stack([tf.logical_not(finite), bad_inputs]), tf.int32),
             )
-            finite = tf.equal(bad, 0)
+            finite, bad_inputs = tf.equal(bad[0], 0), tf.greater(bad[1], 0)
             if self.clip_global_norm is not None:
                 gradients = self._clip_across_replicas(context, gradients)
-        self._skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        skipped = tf.cast(tf.logical_not(finite), tf.int64)
+        self._skipped.assign_add(skipped)
+        self._skip_run.assign((self._skip_run + 1) * skipped)
+        self._skip_run_bad_inputs.assign(
+            (self._skip_run_bad_inputs + tf.cast(bad_inputs, tf.int64)) * skipped
+        )
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) or not (
             self.skip_nonfinite
         ):
@@ -457,6 +521,20 @@ def _check_mean_reductions(loss) -> None:
             )
 
 
+def bad_inputs(finite, data) -> tf.Tensor:
+    """A boolean scalar: the batch's floating-point tensors hold NaN/Inf.
+
+    Checked only when `finite` (the step's gradients are all finite) is False,
+    so healthy steps pay nothing for it.
+    """
+    tensors = [t for t in tree.flatten(data) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
+    if not tensors:
+        return tf.constant(False)
+    return tf.cond(
+        finite, lambda: tf.constant(False), lambda: tf.logical_not(all_finite(tensors))
+    )
+
+
 def all_finite(gradients) -> tf.Tensor:
     """A boolean scalar: True when every gradient entry is finite (None ignored)."""
     checks = []
@@ -499,3 +577,99 @@ def _has_unknown_cardinality(x) -> bool:
     if isinstance(x, tf.data.Dataset):
         return int(x.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
     return False
+
+
+class _SkipWatch(keras.callbacks.Callback):
+    """Warns about a run of skipped steps and stops `fit()` at `limit` (private;
+    `kvram.Model.fit` adds it). Reads kvram's counters after each step; safe to
+    run on Keras's callback thread, so it does not hold up the next step."""
+
+    async_safe = True
+
+    def __init__(self, limit: int | None):
+        super().__init__()
+        self.limit = limit
+        self._warn_at = _WARN_AFTER_SKIPS
+        self._epoch = 0
+        self._loss_before = None  # the loss logged after the last applied step
+        self._first_loss = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        model = self.model
+        run = int(model._skip_run.numpy())
+        if run == 0:
+            self._warn_at = _WARN_AFTER_SKIPS
+            loss = (logs or {}).get("loss")
+            if loss is not None and np.isfinite(loss):
+                self._loss_before = float(loss)
+                if self._first_loss is None:
+                    self._first_loss = float(loss)
+            return
+        if self.limit is not None and run >= self.limit:
+            raise FloatingPointError(self._diagnosis(run, batch))
+        if run >= self._warn_at:
+            self._warn_at *= 10
+            text = (
+                f"kvram.Model: {run} training steps in a row had NaN/Inf gradients and were "
+                f"skipped (epoch {self._epoch + 1}, step {batch + 1}); nothing is being learned. "
+                + (
+                    f"fit() stops at max_consecutive_skips={self.limit}. "
+                    if self.limit is not None
+                    else ""
+                )
+                + self._cause(run)
+            )
+            _log.warning(text)
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
+
+    def _diagnosis(self, run: int, batch: int) -> str:
+        return (
+            f"kvram.Model: {run} training steps in a row had NaN/Inf gradients and were "
+            f"skipped (max_consecutive_skips={self.limit}; epoch {self._epoch + 1}, step "
+            f"{batch + 1}). Weights and optimizer state are as after the last applied step. "
+            + self._cause(run)
+        )
+
+    def _cause(self, run: int) -> str:
+        model = self.model
+        bad_inputs = int(model._skip_run_bad_inputs.numpy())
+        if bad_inputs:
+            return (
+                f"Likely cause: NaN/Inf in the inputs: {bad_inputs} of these {run} batches "
+                "hold non-finite values in x, y or sample_weight. Clean the data (drop or "
+                "repair those rows, e.g. np.nan_to_num) or fix the preprocessing that makes them."
+            )
+        optimizer = model.optimizer
+        loss = (
+            f"the loss was {self._loss_before:.4g} before these steps"
+            + (f" (it started at {self._first_loss:.4g})" if self._first_loss is not None else "")
+            if self._loss_before is not None
+            else "no step had a finite loss yet"
+        )
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            scale = float(np.asarray(optimizer.dynamic_scale))
+            if scale <= 1.0:
+                return (
+                    f"Likely cause: float16 overflow. The inputs are finite, and the loss scale "
+                    f"has fallen to {scale:.3g} (from {optimizer.initial_scale:g}), so values "
+                    "overflow float16 (max 65504) even unscaled. Use mixed_bfloat16 "
+                    "(kvram.precision.enable('mixed_bfloat16')) where the GPU supports it, or "
+                    f"keep the layers that overflow in float32 (dtype='float32'); {loss}."
+                )
+        rate = _learning_rate(model.inner_optimizer)
+        return (
+            "Likely cause: the computation diverged. The inputs are finite"
+            + (f"; {loss}, with learning rate {rate:.3g}" if rate is not None else f"; {loss}")
+            + ". Lower the learning rate or set clip_global_norm, or look for an operation "
+            "that is undefined for these values (log or sqrt of <= 0, division by zero)."
+        )
+
+
+def _learning_rate(optimizer):
+    try:
+        return float(np.asarray(optimizer.learning_rate))
+    except Exception:  # noqa: BLE001 - a schedule or a custom optimizer may not say
+        return None

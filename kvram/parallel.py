@@ -32,7 +32,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from kvram import _checks
-from kvram.model import Model
+from kvram.model import Model, all_finite, bad_inputs
 
 __all__ = ["PipelineModel", "balance", "Balance"]
 
@@ -254,7 +254,16 @@ class PipelineModel(Model):
         trainable = self.trainable_weights
         gradients = [gradients_by_id.get(id(v)) for v in trainable]
         if trainable:
-            self._apply_gradients(gradients, trainable)
+            finite = all_finite(gradients)
+            # The batch is checked where its parts are used: x by the first
+            # stage, y and the weights by the loss on the last.
+            with tf.device(self.device_names[0]):
+                bad_x = bad_inputs(finite, x)
+            with tf.device(last):
+                bad_y = bad_inputs(finite, (y, sample_weight))
+            self._apply_gradients(
+                gradients, trainable, finite=finite, bad_inputs=tf.logical_or(bad_x, bad_y)
+            )
         return self._kvram_logs(self.get_metrics_result())
 
     def get_config(self):
