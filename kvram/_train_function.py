@@ -21,6 +21,12 @@ compiled function (`Model.train_step`, slicing the batch when
 On an OOM in part 1 the batch controller (`kvram.callbacks.AdaptiveBatchSize`)
 picks a smaller micro-batch and the same batch runs again, so every sample is
 trained on exactly once and `optimizer.iterations` counts real updates only.
+
+Part 1 takes the micro-batch size as a tensor and is traced once, with the
+batch dimension left open: changing the size, or a short last batch, costs no
+retrace. Before the first step the controller may probe: part 1 runs on a few
+rows of the batch at small sizes (`probe`), with every state it writes put back
+afterwards, so that the controller can predict memory per row.
 """
 
 from __future__ import annotations
@@ -111,14 +117,18 @@ class TrainFunction:
                 "kvram.callbacks.find_max_batch_size on one device)."
             )
         rows = _local_rows(data)
-        micro_batch_size = controller.begin_step(model, rows)
+        function = self._gradients()
+        _trace(function, data)  # once; the clock below times runs only
+
+        def probe(size: int, rows_used: int) -> bool:
+            return self._probe(function, data, size, rows_used)
+
+        micro_batch_size = controller.begin_step(model, rows, probe, _nbytes(data))
         while True:
-            function = self._gradients(micro_batch_size)
-            _trace(function, data)  # so that the clock below times the run only
             saved = self._snapshot()
             started = time.perf_counter()
             try:
-                gradients = function(data)
+                result = function(data, tf.constant(micro_batch_size, tf.int32))
                 break
             except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as error:
                 if not is_out_of_memory(error):
@@ -131,7 +141,46 @@ class TrainFunction:
                     model, error, micro_batch_size, rows, seconds
                 )
         del saved
-        return self._apply()(gradients)
+        return self._apply()(result)
+
+    def _probe(self, function, data, size: int, rows_used: int) -> bool:
+        """Runs part 1 on the first `rows_used` rows at micro-batch `size`, then
+        puts back every state it wrote; False after an out-of-memory error."""
+        part = tree.map_structure(
+            lambda t: None if t is None else _head(t, rows_used), data
+        )
+        saved = self._snapshot()
+        try:
+            result = function(part, tf.constant(size, tf.int32))
+            del result
+            return True
+        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as error:
+            if not is_out_of_memory(error):
+                raise
+            return False
+        finally:
+            self._restore(saved)
+            del saved, part
+            gc.collect()
+
+    def gradients_function(self, data):
+        """Part 1 (see the module doc), `(data, micro_batch_size) -> (gradients,
+        bad_inputs)`, traced once for any batch like `data` and any size."""
+        function = self._gradients()
+        _trace(function, data)
+        return function
+
+    def apply_function(self):
+        """Part 2: `(gradients, bad_inputs) -> logs`."""
+        return self._apply()
+
+    def tracing_count(self) -> int:
+        """Traces of the compiled step functions so far (0 when run eagerly)."""
+        return sum(
+            f.experimental_get_tracing_count()
+            for f in self._functions.values()
+            if hasattr(f, "experimental_get_tracing_count")
+        )
 
     def _compiled(self, key, step, jit_compile=False):
         """`step` as a cached `tf.function` (as is when the model runs eagerly)."""
@@ -154,31 +203,28 @@ class TrainFunction:
 
         return self._compiled(("fused", micro_batch_size), step)
 
-    def _gradients(self, micro_batch_size):
+    def _gradients(self):
+        """Part 1, `(data, micro_batch_size) -> (gradients, bad_inputs)`, for any
+        batch and micro-batch size."""
         model = self.model
         strategy = model.distribute_strategy
 
-        def replica_gradients(data):
+        def replica_gradients(data, micro_batch_size):
             from keras.src.trainers.data_adapters import data_adapter_utils
 
             from kvram.model import all_finite, bad_inputs
 
             x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-            if micro_batch_size is None:
-                gradients, y_pred = model._slice_gradients(x, y, sample_weight)
-                model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            else:
-                gradients = model._micro_batch_gradients(x, y, sample_weight, micro_batch_size)
+            gradients = model._micro_batch_gradients(x, y, sample_weight, micro_batch_size)
             # The batch is checked for NaN/Inf only when its gradients are not finite.
             return gradients, bad_inputs(all_finite(gradients), (x, y, sample_weight))
 
-        def gradients(data):
-            return strategy.run(replica_gradients, args=(data,))
+        def gradients(data, micro_batch_size):
+            return strategy.run(replica_gradients, args=(data, micro_batch_size))
 
-        # Sliced batches loop in TF's executor; each slice is XLA-compiled inside
-        # (see Model._micro_batch_gradients).
-        jit = bool(model.jit_compile) and micro_batch_size is None
-        return self._compiled(("gradients", micro_batch_size), gradients, jit)
+        # Slices loop in TF's executor; each slice is XLA-compiled inside when the
+        # model compiles with XLA (see Model._micro_batch_gradients).
+        return self._compiled("gradients", gradients)
 
     def _apply(self):
         model = self.model
@@ -242,10 +288,34 @@ def unique(variables) -> list:
 
 
 def _trace(function, data) -> None:
-    """Traces a `tf.function` for `data` ahead of the call (no-op when eager)."""
+    """Traces the gradient function for any batch of `data`'s structure and for
+    any micro-batch size, ahead of the first call (no-op when eager)."""
     concrete = getattr(function, "get_concrete_function", None)
     if concrete is not None:
-        concrete(data)
+        concrete(tree.map_structure(_open_batch, data), tf.TensorSpec([], tf.int32))
+
+
+def _open_batch(tensor):
+    """A `TensorSpec` of `tensor` with its batch dimension left open."""
+    if tensor is None:
+        return None
+    shape = tuple(tensor.shape)
+    return tf.TensorSpec((None,) + shape[1:] if shape else shape, tensor.dtype)
+
+
+def _nbytes(data) -> int:
+    """Bytes of the tensors in `data`."""
+    total = 0
+    for tensor in tree.flatten(data):
+        if tensor is not None:
+            total += int(tf.size(tensor)) * tf.as_dtype(tensor.dtype).size
+    return total
+
+
+def _head(tensor, rows: int):
+    """The first `rows` rows of `tensor`, sliced on the tensor's own device."""
+    with tf.device(getattr(tensor, "device", None) or None):
+        return tensor[:rows]
 
 
 def _symbolic(tensor):

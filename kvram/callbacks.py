@@ -30,19 +30,43 @@ _MIB = 2.0**20
 
 @dataclasses.dataclass
 class BatchEvent:
-    """One change of the micro-batch size during `fit()`."""
+    """One decision about the micro-batch size during `fit()`."""
 
     step: int
     epoch: int
-    kind: str  # "start", "oom", "grow" or "shrink"
+    kind: str  # "probe", "start", "oom", "grow" or "shrink"
     old: int | None
     new: int
     peak_bytes: int | None = None
+    predicted_bytes: int | None = None
     seconds_to_error: float | None = None
     seconds_to_recover: float | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# Rows a batch needs before its first size is probed; the probes' sizes, as a
+# share of the batch; the smallest gain worth a change of size (hysteresis).
+_PROBE_MIN_ROWS = 32
+_PROBE_SHARE = 32
+_MIN_GAIN = 0.10
+
+
+def rungs(rows: int, low: int = 1, high: int | None = None) -> list:
+    """The micro-batch sizes worth using for a batch of `rows` rows, largest first.
+
+    A size m runs ceil(rows / m) slices; the smallest size with that many slices,
+    ceil(rows / k), runs the same k slices, near-equal, with less memory. So the
+    sizes are ceil(rows / k) for k = 1, 2, ... (about 2 * sqrt(rows) of them),
+    within [low, high], and `low` itself.
+    """
+    high = rows if high is None else min(high, rows)
+    sizes = {-(-rows // k) for k in range(1, rows + 1)}
+    sizes = {m for m in sizes if low <= m <= high}
+    if low <= rows:
+        sizes.add(low)
+    return sorted(sizes, reverse=True) or [max(1, min(low, rows))]
 
 
 class AdaptiveBatchSize(keras.callbacks.Callback):
@@ -52,25 +76,38 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
     many of its rows go through the forward and backward pass at once
     (`kvram.Model.micro_batch_size`), so the update is the same whatever it picks.
 
+    - Sizes: always ceil(rows / k) for some number of slices k (`rungs`): a size
+      between two of them runs as many slices as the smaller one, with more
+      memory. The compiled step takes the size as an argument, so a change of
+      size costs no retrace (only cuDNN's autotuning of the new slice shape).
+    - First size: when the device's memory limit is known and a batch has at
+      least 32 rows, two probes run the forward and backward pass on a few rows
+      of the first batch at two small sizes (rows / 32 and twice that, each run
+      twice so that autotuning is not measured), and every state they wrote is
+      put back. Their peaks give the memory per micro-batch row and the memory
+      that does not scale with it; the first size is the largest predicted to
+      peak under `target_utilization` of the limit, so that out-of-memory
+      errors, which TensorFlow takes tens of seconds to raise, are the exception.
     - Out of memory during a step: the step's state is restored, memory freed,
       the micro-batch set back to the largest size that has completed a step
-      (halved when there is none) and **the same batch run again**, so no
-      sample is skipped or seen twice and `optimizer.iterations` counts real
-      updates only. The failing size becomes a ceiling: it is not tried again
-      in this `fit()`. At `min_micro_batch` the
-      batch is retried up to `max_retries` times in a row, then the error is
-      raised with what was tried.
-    - Headroom: after each step the device's peak is compared with
-      `target_utilization * limit`. Above it the micro-batch shrinks to the size
-      predicted to fit; below it the micro-batch grows to the size predicted to
-      fit, at most doubling and staying under the ceiling. Predictions scale the
-      step's memory above its starting level linearly with rows. Above a size
-      that failed, growth bisects towards it and stops within 1/16 of it. The
+      (else the largest at most half the failed size) and **the same batch run
+      again**, so no sample is skipped or seen twice and
+      `optimizer.iterations` counts real updates only. The failing size
+      becomes a ceiling: it is not tried again in this `fit()`. At
+      `min_micro_batch` the batch is retried up to `max_retries` times in a
+      row, then the error is raised with what was tried.
+    - Headroom: after each step (but the first at a new size, which also
+      autotunes) the device's peak is compared with `target_utilization *
+      limit`. Above it the micro-batch shrinks to the largest size predicted to
+      fit; below it, it grows to the largest size predicted to fit, at most
+      doubling, below any size that failed, and only for a gain of at least 10%
+      (hysteresis: no change for a few rows). Predictions are linear in the
+      micro-batch, with the probes' slope and each step's measured peak. The
       limit is `memory_limit`, else the logical GPU's `memory_limit`, else the
       GPU's total memory (NVML); on a CPU without `memory_limit` there is no
-      headroom rule and only OOM errors shrink the micro-batch.
+      prediction and only OOM errors shrink the micro-batch.
 
-    Every change is printed (with `verbose`), logged to the "kvram" logger and
+    Every decision is printed (with `verbose`), logged to the "kvram" logger and
     kept in `events` (see `MemoryLogger` for the CSV and plot).
 
     Args:
@@ -80,6 +117,8 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         memory_limit: None or int bytes, overrides the detected device limit.
         device: None ("GPU:0" when a GPU is visible, else "CPU:0") or a device name.
         max_retries: int >= 0, OOM retries in a row at `min_micro_batch`.
+        probe: bool, predict the first size from two small probes (when the
+            limit is known); False starts at the whole batch.
         verbose: 0 or 1.
 
     Example:
@@ -100,6 +139,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         memory_limit: int | None = None,
         device: str | None = None,
         max_retries: int = 3,
+        probe: bool = True,
         verbose: int = 1,
     ):
         super().__init__()
@@ -124,6 +164,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"`max_retries` must be an int >= 0. Received: max_retries={max_retries!r}")
         self.max_retries = max_retries
+        self.probe = _checks.boolean("probe", probe)
         self.verbose = verbose
         self.events: list[BatchEvent] = []
         self.oom_count = 0
@@ -136,6 +177,9 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         self._start_bytes = 0
         self._in_a_row = 0
         self._measure_next = True
+        # Memory model: a step peaks at start + fixed + per_row * micro-batch.
+        self._per_row: float | None = None
+        self._fixed: float = 0.0
 
     # --- Keras callback hooks -------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -167,37 +211,46 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
             return
         size = self.model.micro_batch_size
         used = max(peak - self._start_bytes, 1)
+        if self._per_row is None or self._per_row <= 0:
+            self._per_row, self._fixed = used / size, 0.0  # proportional: no probe ran
+        else:
+            self._fixed = used - self._per_row * size  # the probes' slope, this step's level
+        ladder = rungs(self._rows, self.min_micro_batch, self.max_micro_batch)
         target = self.target_utilization * self._limit
-        room = target - self._start_bytes
         if peak > target and size > self.min_micro_batch:
-            new = int(size * room / used) if room > 0 else size // 2
-            new = max(self.min_micro_batch, min(new, size - 1))
+            fitting = [r for r in ladder if r < size and self._fits(r, self._start_bytes)]
+            new = fitting[0] if fitting else ladder[-1]
             self._ceiling = size if self._ceiling is None else min(self._ceiling, size)
-            self._change("shrink", size, new, peak_bytes=peak)
+            self._change("shrink", size, new, peak_bytes=peak,
+                         predicted_bytes=self._predict(new, self._start_bytes))
             return
         if self._ceiling is None or size < self._ceiling:
             self._good = max(self._good or 0, size)
-        top = min(self._rows, self.max_micro_batch or self._rows)
-        if self._ceiling is not None:
-            top = min(top, self._ceiling - 1)
-        predicted_fit = int(size * room / used) if room > 0 else size
-        new = min(top, 2 * size, predicted_fit)
-        if self._ceiling is not None:
-            # A size failed above: bisect towards it, and stop when the gain
-            # left is under 1/16 (an OOM costs more than it would win).
-            new = min(new, (size + self._ceiling) // 2)
-            if self._ceiling - size <= max(1, size // 16):
-                return
-        if new > size:
-            self._change("grow", size, new, peak_bytes=peak)
+        fitting = [
+            r for r in ladder
+            if size < r <= 2 * size
+            and (self._ceiling is None or r < self._ceiling)
+            and self._fits(r, self._start_bytes)
+        ]
+        if fitting and fitting[0] >= size * (1 + _MIN_GAIN):
+            self._change("grow", size, fitting[0], peak_bytes=peak,
+                         predicted_bytes=self._predict(fitting[0], self._start_bytes))
 
     # --- called by kvram.Model's training function ----------------------------
-    def begin_step(self, model, rows: int) -> int:
-        """The micro-batch for a batch of `rows` rows (per replica)."""
+    def begin_step(self, model, rows: int, probe=None, input_bytes: int = 0) -> int:
+        """The micro-batch for a batch of `rows` rows (per replica).
+
+        `probe(size, rows_used) -> bool` runs the gradient pass on `rows_used`
+        rows at micro-batch `size` and puts every state back (False: out of
+        memory); `input_bytes` is the batch's size in bytes.
+        """
         self._rows = max(self._rows, rows)
         if model.micro_batch_size is None:
-            top = min(rows, self.max_micro_batch or rows)
-            self._change("start", None, max(self.min_micro_batch, top))
+            ladder = rungs(rows, self.min_micro_batch, self.max_micro_batch)
+            size, predicted = ladder[0], None
+            if self._can_probe(rows, probe):
+                size, predicted = self._first_size(rows, ladder, probe, input_bytes / rows)
+            self._change("start", None, size, predicted_bytes=predicted)
         return model.micro_batch_size
 
     def recover(self, model, error, size: int, rows: int, seconds: float) -> int:
@@ -206,6 +259,9 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         self.oom_count += 1
         effective = min(size, rows)
         self._ceiling = effective if self._ceiling is None else min(self._ceiling, effective)
+        if self._per_row and self._limit:
+            # The step needed more than the limit: no prediction may say it fits.
+            self._fixed = max(self._fixed, self._limit - self._start_bytes - self._per_row * effective)
         if effective <= self.min_micro_batch:
             self._in_a_row += 1
             if self._in_a_row > self.max_retries:
@@ -222,28 +278,95 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         elif self._good is not None and self._good < effective:
             new = max(self.min_micro_batch, self._good)  # the largest size that worked
         else:
-            new = max(self.min_micro_batch, effective // 2)
+            new = self._at_most(rows, effective // 2)
         self._change("oom", size, new, seconds_to_error=seconds)
         self.events[-1].seconds_to_recover = time.perf_counter() - started
         return new
 
     # ---------------------------------------------------------------------------
-    def _change(self, kind: str, old, new: int, **details) -> None:
-        self.model._micro_batch_size = new
-        self._measure_next = False
+    def _can_probe(self, rows, probe) -> bool:
+        if not self.probe or probe is None or self._limit is None or rows < _PROBE_MIN_ROWS:
+            return False
+        return 4 * max(self.min_micro_batch, rows // _PROBE_SHARE) <= rows
+
+    def _first_size(self, rows, ladder, probe, input_row):
+        """(first size, its predicted peak) from two probes at p and 2p rows of
+        micro-batch, each on two slices (so the gradient sum is counted)."""
+        p = max(self.min_micro_batch, rows // _PROBE_SHARE)
+        used = {}
+        for size in (p, 2 * p):
+            for _ in range(2):  # the first run of a shape also autotunes: not measured
+                memory.reset_peak(self.device)
+                start = memory.current_bytes(self.device)
+                started = time.perf_counter()
+                previous, self.model._micro_batch_size = self.model._micro_batch_size, size
+                try:
+                    fits = probe(size, 2 * size)
+                    peak = memory.peak_bytes(self.device)
+                finally:
+                    self.model._micro_batch_size = previous
+                if not fits:
+                    self.oom_count += 1
+                    self._ceiling = size
+                    new = self._at_most(rows, size // 2)
+                    self._change("oom", size, new, seconds_to_error=time.perf_counter() - started)
+                    return new, None
+            used[size] = peak - start
+            self._change("probe", None, size, peak_bytes=peak, quiet=True)
+        # Two probes, 2p and 4p rows of input: the step's input counts apart.
+        per_row = (used[2 * p] - used[p]) / p - 2 * input_row
+        if per_row <= 0:
+            per_row = used[2 * p] / (2 * p)  # flat measurements: proportional, cautious
+            fixed = 0.0
+        else:
+            fixed = used[p] - per_row * p - 2 * p * input_row
+        self._per_row, self._fixed = per_row, fixed + input_row * rows
+        start = memory.current_bytes(self.device)
+        fitting = [r for r in ladder if self._fits(r, start)]
+        size = fitting[0] if fitting else ladder[-1]
+        if self.verbose:
+            io_utils.print_msg(
+                f"AdaptiveBatchSize: probes at micro-batch {p} and {2 * p}: "
+                f"{per_row / _MIB:.1f} MiB per row, {self._fixed / _MIB:.0f} MiB besides"
+            )
+        return size, self._predict(size, start)
+
+    def _predict(self, size: int, start: int) -> int | None:
+        if self._per_row is None:
+            return None
+        return int(start + self._fixed + self._per_row * size)
+
+    def _fits(self, size: int, start: int) -> bool:
+        return self._predict(size, start) <= self.target_utilization * self._limit
+
+    def _at_most(self, rows: int, size: int) -> int:
+        """The largest size on the ladder that is at most `size` (at least the minimum)."""
+        ladder = rungs(rows, self.min_micro_batch, self.max_micro_batch)
+        return next((r for r in ladder if r <= size), ladder[-1])
+
+    def _change(self, kind: str, old, new: int, quiet: bool = False, **details) -> None:
         event = BatchEvent(self._step, self._epoch, kind, old, new, **details)
         self.events.append(event)
-        message = {
-            "start": f"micro-batch {new}",
-            "oom": f"out of memory at micro-batch {old} (raised after "
-            f"{details.get('seconds_to_error', 0):.1f} s); running the same batch again at {new}",
-            "grow": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))})",
-            "shrink": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))} "
-            f"over {self.target_utilization:.0%} of {_mib(self._limit)})",
-        }[kind]
-        text = f"AdaptiveBatchSize: step {self._step + 1} (epoch {self._epoch + 1}): {message}"
+        if kind == "probe":
+            text = f"probe at micro-batch {new}: peak {_mib(details.get('peak_bytes'))}"
+        else:
+            self.model._micro_batch_size = new
+            self._measure_next = False
+            slices = -(-self._rows // new) if self._rows else None
+            predicted = details.get("predicted_bytes")
+            text = {
+                "start": f"micro-batch {new}"
+                + (f" ({slices} slices)" if slices and slices > 1 else "")
+                + (f", predicted peak {_mib(predicted)}" if predicted is not None else ""),
+                "oom": f"out of memory at micro-batch {old} (raised after "
+                f"{details.get('seconds_to_error', 0):.1f} s); running the same batch again at {new}",
+                "grow": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))})",
+                "shrink": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))} "
+                f"over {self.target_utilization:.0%} of {_mib(self._limit)})",
+            }[kind]
+        text = f"AdaptiveBatchSize: step {self._step + 1} (epoch {self._epoch + 1}): {text}"
         _log.info(text)
-        if self.verbose:
+        if self.verbose and not quiet:
             io_utils.print_msg(text)
 
 
@@ -270,7 +393,7 @@ def find_max_batch_size(
 
     Each probe runs one full training step (forward, backward, update; with the
     gradient sum of a second slice) on `sample_batch`'s rows repeated to the probed
-    size, catches an out-of-memory error if one comes, and puts every weight,
+    size (one compiled step serves every size), catches an out-of-memory error if one comes, and puts every weight,
     optimizer and metric variable back as it was: the model is unchanged
     afterwards. Sizes grow by doubling from `low` until one fails (when `high`
     is given and at least 8x `low`, `high` is probed first), then the search
@@ -319,6 +442,11 @@ def find_max_batch_size(
     function.build(tree.map_structure(
         lambda t: None if t is None else tf.convert_to_tensor(t), sample_batch
     ))
+    # One compiled gradient pass for every probed size (its size is an argument).
+    gradients = function.gradients_function(tree.map_structure(
+        lambda t: None if t is None else tf.convert_to_tensor(t), sample_batch
+    ))
+    apply = function.apply_function()
     saved = [(v, v.numpy()) for v in _all_variables(model)]
 
     def probe(size: int) -> bool:
@@ -331,7 +459,7 @@ def find_max_batch_size(
         started = time.perf_counter()
         error_text = None
         try:
-            logs = function.step(batch)
+            logs = apply(gradients(batch, tf.constant(size, tf.int32)))
             tree.map_structure(lambda t: np.asarray(t), logs)  # wait for the device
             fits = True
         except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as error:

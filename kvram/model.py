@@ -350,14 +350,19 @@ class Model(keras.Model):
     def _micro_batch_gradients(self, x, y, sample_weight, micro_batch_size):
         """The batch's gradients, summed over slices of `micro_batch_size` rows.
 
-        The loop is a `tf.while_loop` (run in TF's graph executor, not XLA, since
-        the last slice may be shorter); with `jit_compile`, each slice's forward
+        `micro_batch_size` is an int or a scalar tensor: as a tensor, one traced
+        graph serves every size (`AdaptiveBatchSize` changes it without a
+        retrace). Every slice runs in one `tf.while_loop` (TF's graph executor,
+        not XLA, since the last slice may be shorter), so the model is traced
+        once; the sums start at zero. With `jit_compile`, each slice's forward
         and backward is one XLA computation, compiled once per slice shape.
         """
         slice_fn = self._slice_function()
         rows = _rows(x)
         total = tf.cast(rows, tf.float32)
-        m = tf.constant(micro_batch_size, dtype=rows.dtype)
+        m = tf.cast(micro_batch_size, rows.dtype)
+        weights = self.trainable_weights
+        present = [True] * len(weights)  # set while the loop body is traced
 
         def take(start, size):
             def cut(t):
@@ -365,35 +370,23 @@ class Model(keras.Model):
 
             return tree.map_structure(cut, (x, y, sample_weight))
 
-        def slice_at(start):
+        def body(start, sums):
             size = tf.minimum(m, rows - start)
             xs, ys, sws = take(start, size)
             gradients, y_pred = slice_fn(xs, ys, sws, tf.cast(size, tf.float32) / total)
             self.compute_metrics(xs, ys, y_pred, sample_weight=sws)
-            return [_dense(g) for g in gradients]
-
-        first = slice_at(tf.constant(0, dtype=rows.dtype))
-        present = [i for i, g in enumerate(first) if g is not None]
-        # The loop's first slice may start only when this one's backward pass is
-        # done; without this edge TF's executor runs both at once (two slices of
-        # activations in memory), since they share no data.
-        with tf.control_dependencies([first[i] for i in present]):
-            second_start = tf.identity(m)
-
-        def body(start, sums):
-            gradients = slice_at(start)
-            return start + m, [s + gradients[i] for s, i in zip(sums, present)]
+            present[:] = [g is not None for g in gradients]
+            return start + m, [
+                s if g is None else s + _dense(g) for s, g in zip(sums, gradients)
+            ]
 
         _, sums = tf.while_loop(
             lambda start, _: start < rows,
             body,
-            (second_start, [first[i] for i in present]),
+            (tf.zeros_like(rows), [tf.zeros(tuple(w.shape), dtype=w.dtype) for w in weights]),
             parallel_iterations=1,  # one slice in memory at a time
         )
-        gradients = [None] * len(first)
-        for i, s in zip(present, sums):
-            gradients[i] = s
-        return gradients
+        return [s if p else None for s, p in zip(sums, present)]
 
     def _slice_function(self):
         """`_slice_gradients`, as an XLA computation when the model compiles with XLA."""

@@ -165,11 +165,11 @@ def test_recovery_from_a_compiled_step_restores_graph_written_state(monkeypatch)
     calls = {"n": 0}
     original = _train_function.TrainFunction._gradients
 
-    def failing_gradients(self, micro_batch_size):
-        function = original(self, micro_batch_size)
+    def failing_gradients(self):
+        function = original(self)
 
-        def run(data):
-            out = function(data)
+        def run(data, micro_batch_size):
+            out = function(data, micro_batch_size)
             calls["n"] += 1
             if calls["n"] % 3 == 1:
                 raise tf.errors.ResourceExhaustedError(None, None, "OOM (injected after the pass)")
@@ -250,31 +250,73 @@ class FakeMemory:
         self.peaks.append(value)
         return value
 
+    def install(self, monkeypatch):
+        monkeypatch.setattr(kvram.callbacks.memory, "current_bytes", self.current)
+        monkeypatch.setattr(kvram.callbacks.memory, "peak_bytes", self.peak)
+        monkeypatch.setattr(kvram.callbacks.memory, "reset_peak", lambda device=None: None)
+        return self
+
+
+def test_rungs_are_equal_slices():
+    from kvram.callbacks import rungs
+
+    assert rungs(16) == [16, 8, 6, 4, 3, 2, 1]
+    assert rungs(512)[:8] == [512, 256, 171, 128, 103, 86, 74, 64]
+    assert rungs(96, low=5, high=40) == [32, 24, 20, 16, 14, 12, 11, 10, 9, 8, 7, 6, 5]
+    for rows in (7, 96, 100, 512, 1000):
+        for m in rungs(rows):
+            slices = -(-rows // m)
+            assert m == -(-rows // slices)  # no smaller size runs as few slices
+    assert len(rungs(512)) <= 2 * 512**0.5 + 2
+
 
 @pytest.mark.parametrize(
-    "start, expected, kinds",
+    "start, probe, fake, limit, expected, kinds",
     [
-        # 4 -> 8 -> 16 -> 32 -> 64 (at most doubling) -> 75, the size predicted to
-        # peak at the target (1000 + 100 * 75 = 8500); 96 would peak at 10600.
-        (4, 75, ["grow"] * 5),
-        # The whole batch (96) peaks at 10600 > 8500: shrinks to 96 * 7500 / 9600;
-        # nothing larger is predicted to fit.
-        (None, 75, ["start", "shrink"]),
+        # 4 -> 8 -> 16 -> 32 -> 48 (at most doubling, on equal slices of 96 rows);
+        # 96 would peak at 10600 > 8500, the target.
+        (4, True, (1000, 100), 10_000, 48, ["grow"] * 4),
+        # No probe: the whole batch peaks at 10600 > 8500: shrinks to the largest
+        # size predicted to fit (75), rounded down to equal slices (48).
+        (None, False, (1000, 100), 10_000, 48, ["start", "shrink"]),
+        # Probes at 3 and 6 rows predict the first size: the largest that fits
+        # (84 rows: 1000 + 10_000 * 84 <= 850_000) on equal slices is 48.
+        (None, True, (1000, 10_000), 1_000_000, 48, ["probe", "probe", "start"]),
     ],
 )
-def test_headroom_grows_and_shrinks_the_micro_batch(monkeypatch, start, expected, kinds):
+def test_headroom_grows_and_shrinks_the_micro_batch(
+    monkeypatch, start, probe, fake, limit, expected, kinds
+):
     net = network(micro_batch_size=start)
-    fake = FakeMemory(net)
-    monkeypatch.setattr(kvram.callbacks.memory, "current_bytes", fake.current)
-    monkeypatch.setattr(kvram.callbacks.memory, "peak_bytes", fake.peak)
-    monkeypatch.setattr(kvram.callbacks.memory, "reset_peak", lambda device=None: None)
-    controller = AdaptiveBatchSize(memory_limit=10_000, target_utilization=0.85, verbose=0)
+    memory = FakeMemory(net, *fake).install(monkeypatch)
+    controller = AdaptiveBatchSize(
+        memory_limit=limit, target_utilization=0.85, probe=probe, verbose=0
+    )
     net.fit(dataset(N).repeat(12), epochs=1, verbose=0, callbacks=[controller])
     assert net.micro_batch_size == expected
     assert [e.kind for e in controller.events] == kinds
-    target = 0.85 * 10_000
-    after_last_change = fake.peaks[-3:]
-    assert all(p <= target for p in after_last_change)
+    after_last_change = memory.peaks[-3:]
+    assert all(p <= 0.85 * limit for p in after_last_change)
+    assert controller.oom_count == 0
+    if probe and start is None:
+        assert [e.new for e in controller.events[:2]] == [3, 6]  # 96 // 32 and twice that
+        assert controller.events[2].predicted_bytes == 1000 + 10_000 * 48 - 96 * 48 + 48 * 96
+
+
+def test_hysteresis_no_change_for_less_than_ten_percent(monkeypatch):
+    from kvram.callbacks import rungs
+
+    assert 13 in rungs(100) and 15 in rungs(100) and 14 not in rungs(100)
+    for limit, expected in ((16, 12), (18, 15)):  # targets 13.6 and 15.3 rows
+        net = network(micro_batch_size=12)
+        FakeMemory(net, base=0, per_row=1).install(monkeypatch)
+        controller = AdaptiveBatchSize(memory_limit=limit, verbose=0)
+        data = tf.data.Dataset.from_tensor_slices(
+            ((np.ones((100, 8), "float32"), np.zeros((100, 1), "float32")), np.ones((100, 3), "float32"))
+        ).batch(100).repeat(6)
+        net.fit(data, epochs=1, verbose=0, callbacks=[controller])
+        # 12 -> 13 would gain 8%: not worth a change; 12 -> 15 gains 25%.
+        assert net.micro_batch_size == expected
 
 
 def test_headroom_with_real_cpu_allocator_stats():
@@ -432,26 +474,74 @@ def test_memory_logger_bad_logdir():
         MemoryLogger(3)
 
 
-def test_growth_bisects_towards_a_failed_size_and_stops_near_it(monkeypatch):
-    """After an OOM at 64 with 32 known good, growth goes 32 -> 48 -> 56 -> 60 -> 62
-    and stops there (64 - 62 <= 62 / 16): no size at or above 64 is tried again."""
-    net = network(micro_batch_size=64)
-    fake = FakeMemory(net, base=0, per_row=1)  # memory predicts everything fits
-    monkeypatch.setattr(kvram.callbacks.memory, "current_bytes", fake.current)
-    monkeypatch.setattr(kvram.callbacks.memory, "peak_bytes", fake.peak)
-    monkeypatch.setattr(kvram.callbacks.memory, "reset_peak", lambda device=None: None)
+def test_growth_stays_below_a_size_that_failed(monkeypatch):
+    """After an OOM at 48 with 32 known good, memory predicts that 48 and 96 fit,
+    but no size at or above 48 is tried again."""
+    net = network(micro_batch_size=48)
+    FakeMemory(net, base=0, per_row=1).install(monkeypatch)  # everything seems to fit
     controller = AdaptiveBatchSize(memory_limit=10**9, verbose=0)
     controller.set_model(net)
     controller.on_train_begin()
     controller._rows, controller._good, controller._measure_next = 96, 32, True
-    assert controller.recover(net, RuntimeError("oom"), 64, 96, 0.0) == 32
+    assert controller.recover(net, RuntimeError("oom"), 48, 96, 0.0) == 32
     sizes = []
-    for _ in range(8):
+    for _ in range(6):
         controller._measure_next = True
         controller.on_train_batch_begin(0)
         controller.on_train_batch_end(0)
         sizes.append(net.micro_batch_size)
-    assert sizes[:4] == [48, 56, 60, 62] and set(sizes[3:]) == {62}
+    assert sizes == [32] * 6
+    # Without a size known to work, an OOM halves onto the ladder: 96 -> 48.
+    fresh = AdaptiveBatchSize(memory_limit=10**9, verbose=0)
+    fresh.set_model(net)
+    fresh.on_train_begin()
+    fresh._rows = 96
+    assert fresh.recover(net, RuntimeError("oom"), 96, 96, 0.0) == 48
+
+
+def bn_network(micro_batch_size=None):
+    """Dense + BatchNormalization + Dropout: state that a probe or a failed step writes."""
+    keras.utils.set_random_seed(5)
+    features = keras.Input((8,))
+    ids = keras.Input((1,))
+    count = CountSamples(N, name="count")(ids)
+    x = keras.layers.Dense(16)(features)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Dropout(0.3)(x)
+    x = keras.layers.Dense(3)(x)
+    net = kvram.Model([features, ids], keras.layers.Add()([x, 0.0 * count]),
+                      micro_batch_size=micro_batch_size)
+    net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"])
+    return net
+
+
+def test_one_trace_for_every_micro_batch_and_batch_size(monkeypatch):
+    """Sizes 3 -> 6 -> 10 -> 20 -> 40 (equal slices of 40 rows) and a short last
+    batch each epoch: the compiled gradient pass and update are traced once each."""
+    net = network(micro_batch_size=3)
+    FakeMemory(net, base=0, per_row=1).install(monkeypatch)
+    controller = AdaptiveBatchSize(memory_limit=10**9, verbose=0)
+    data = dataset(40)  # batches of 40, 40, 16
+    net.fit(data, epochs=6, verbose=0, callbacks=[controller])
+    assert [e.new for e in controller.events] == [6, 10, 20, 40]
+    assert net.train_function.tracing_count() == 2
+
+
+def test_probes_leave_no_trace_and_updates_equal_plain_keras(monkeypatch):
+    """Probes (compiled, on BatchNormalization, Dropout, metrics and a sample
+    counter) put every state back: the run equals one at a fixed micro-batch."""
+    plain = bn_network(micro_batch_size=48)
+    h_plain = plain.fit(dataset(96), epochs=3, verbose=0)
+    net = bn_network()
+    FakeMemory(net, base=1000, per_row=10_000).install(monkeypatch)
+    controller = AdaptiveBatchSize(memory_limit=1_000_000, verbose=0)
+    history = net.fit(dataset(96), epochs=3, verbose=0, callbacks=[controller])
+    assert [e.kind for e in controller.events] == ["probe", "probe", "start"]
+    assert net.micro_batch_size == 48
+    for a, b in zip(plain.variables, net.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=TOL, atol=1e-6, err_msg=a.path)
+    np.testing.assert_array_equal(seen(net), np.full(N, 3))
+    np.testing.assert_allclose(history.history["mae"], h_plain.history["mae"], rtol=TOL)
 
 
 def test_memory_logger_without_matplotlib_warns_and_keeps_the_logs(tmp_path, monkeypatch):
