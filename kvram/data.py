@@ -7,7 +7,9 @@ Format (a directory):
 - `index.json`: `{"format": "kvram-shards", "version": 1, "samples": N,
   "fields": {name: {"dtype": "<f4", "shape": [...per-sample...]}},
   "shards": [{"samples": n, "files": {name: {"name": ..., "bytes": ...,
-  "sha256": ... or null}}}]}`.
+  "sha256": ... or null, "xxh3_128": ... (optional)}}}]}`. The SHA-256 is for
+  `verify()` (a full, cryptographic check); the XXH3-128 for the check on first
+  read, which it makes cheap.
 
 No pickle anywhere (`allow_pickle=False`); file names in the index are plain
 names inside the directory.
@@ -118,7 +120,8 @@ def write_shards(
         directory: where to write; must not exist unless `overwrite=True`.
         samples_per_shard: int >= 1, samples per shard file (the last may hold fewer).
         fields: None or names for the source's arrays (for a dict: which keys, in order).
-        checksum: store each file's SHA-256 (checked by `ShardedDataset.verify`).
+        checksum: store each file's SHA-256 (checked by `ShardedDataset.verify`)
+            and XXH3-128 (checked when a `ShardedDataset` first reads the file).
         overwrite: replace an existing directory (only once the new one is complete).
         verbose: 0 or 1, progress bar.
 
@@ -185,11 +188,9 @@ def _write_into(staging, batches, total, samples_per_shard, checksum, verbose) -
             file_name = f"{name}-{len(shards):05d}.npy"
             path = os.path.join(staging, file_name)
             np.save(path, np.ascontiguousarray(array), allow_pickle=False)
-            files[name] = {
-                "name": file_name,
-                "bytes": os.path.getsize(path),
-                "sha256": _verify.sha256(path) if checksum else None,
-            }
+            files[name] = {"name": file_name, "bytes": os.path.getsize(path), "sha256": None}
+            if checksum:
+                files[name].update(_verify.file_digests(path))
         shards.append({"samples": rows, "files": files})
         written += rows
         pending = [rest] if len(next(iter(rest.values()))) else []
@@ -253,10 +254,18 @@ def _check_batch(batch: dict, spec: dict) -> None:
 # --------------------------------------------------------------------------- reading
 
 
+def _read_digest(info: dict) -> tuple:
+    """(kind, hex digest or None): the checksum a first read checks a file with,
+    XXH3-128 when the index has it and `xxhash` is installed, else SHA-256."""
+    if info.get("xxh3_128") and _verify.have_xxhash():
+        return "xxh3_128", info["xxh3_128"]
+    return "sha256", info.get("sha256") or None
+
+
 class _Shard:
-    def __init__(self, number: int, start: int, samples: int, paths: dict, sha256: dict):
+    def __init__(self, number: int, start: int, samples: int, paths: dict, digests: dict):
         self.number, self.start, self.samples, self.paths = number, start, samples, paths
-        self.files = [(paths[name], sha256.get(name)) for name in paths]
+        self.files = [(paths[name], digests[name]) for name in paths]
         self.verifier: _verify.ShardVerifier | None = None
         self._arrays: dict | None = None
         self._lock = threading.Lock()
@@ -291,8 +300,9 @@ class ShardedDataset:
     as the index says, C order, and its size on disk (a truncated file fails
     here, not in the middle of an epoch). Errors are `ShardError`s naming the file.
 
-    Reading checks each shard's files against the SHA-256 stored in the index
-    the first time this process reads that shard (`verify_on_read=True`), so a
+    Reading checks each shard's files against the checksum stored in the index
+    (XXH3-128, or SHA-256 for directories written without it) the first time
+    this process reads that shard (`verify_on_read=True`), so a
     flipped byte is an error naming the file and its samples, never data
     trained on. Background threads check the shards the reader needs next, a
     few ahead of it, while it reads; a shard is never handed out before its
@@ -347,7 +357,9 @@ class ShardedDataset:
         self._starts = np.array([s.start for s in self._shards] + [len(self)], dtype=np.int64)
         self._verifier = None
         if self.verify_on_read:
-            unchecked = sum(sha is None for shard in self._shards for _, sha in shard.files)
+            unchecked = sum(
+                expected is None for shard in self._shards for _, (_, expected) in shard.files
+            )
             if unchecked:
                 warnings.warn(
                     f"{self.directory}: {unchecked} shard files have no checksum in the index "
@@ -397,8 +409,8 @@ class ShardedDataset:
             paths = {}
             for name, info in files.items():
                 paths[name] = self._check_file(index_path, number, name, info, samples)
-            sha256 = {name: info.get("sha256") or None for name, info in files.items()}
-            shards.append(_Shard(number, start, samples, paths, sha256))
+            digests = {name: _read_digest(info) for name, info in files.items()}
+            shards.append(_Shard(number, start, samples, paths, digests))
             start += samples
         if int(index.get("samples", -1)) != start:
             raise ShardError(index_path, f"'samples' says {index.get('samples')!r} but the shards hold {start}")

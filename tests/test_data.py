@@ -237,6 +237,7 @@ def test_a_flipped_byte_is_an_error_before_any_of_its_samples_is_read(shards, th
             seen.extend(y.numpy().tolist())
     text = str(error.value)
     assert "ShardError" in text and path in text and "Samples 600 to 899 (shard 2)" in text
+    assert "checksum mismatch: XXH3-128 " in text
     assert not any(600 <= i < 900 for i in seen), "a sample of the corrupt shard was handed out"
     # Every read after the first error fails too, also of intact shards.
     with pytest.raises(ShardError, match="checksum mismatch") as again:
@@ -273,8 +274,8 @@ def test_the_opt_out_reads_the_bytes_as_they_are(shards):
 def test_each_file_is_hashed_once_per_process(shards, monkeypatch):
     kvram.data._verify.forget_checked()
     calls = []
-    real = kvram.data._verify.sha256
-    monkeypatch.setattr(kvram.data._verify, "sha256", lambda path, *a: calls.append(path) or real(path, *a))
+    real = kvram.data._verify.xxh3_128
+    monkeypatch.setattr(kvram.data._verify, "xxh3_128", lambda path, *a: calls.append(path) or real(path, *a))
     for _ in range(2):  # two epochs of one dataset, then a second dataset on the same files
         epoch(shards.to_tf_dataset(64, shuffle=True, seed=0))
     epoch(ShardedDataset(shards.directory).to_tf_dataset(64, shuffle=False))
@@ -286,6 +287,35 @@ def test_each_file_is_hashed_once_per_process(shards, monkeypatch):
     calls.clear()
     ShardedDataset(shards.directory).read(0, 1)
     assert calls == [files[0]]
+
+
+def test_index_holds_both_digests_and_old_indexes_are_checked_by_sha256(shards, monkeypatch):
+    import hashlib
+
+    import xxhash
+
+    index = _index(shards.directory)
+    entry = index["shards"][2]["files"]["x"]
+    data = open(os.path.join(shards.directory, entry["name"]), "rb").read()
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert entry["xxh3_128"] == xxhash.xxh3_128(data).hexdigest()
+    # An index written before XXH3 (or without xxhash) is checked by SHA-256.
+    for shard in index["shards"]:
+        for info in shard["files"].values():
+            del info["xxh3_128"]
+    _save_index(shards.directory, index)
+    _flip_a_byte(os.path.join(shards.directory, entry["name"]))
+    kvram.data._verify.forget_checked()
+    with pytest.raises(ShardError, match="checksum mismatch: SHA-256 [0-9a-f]{64}, index.json says"):
+        ShardedDataset(shards.directory).read(600, 610)
+
+
+def test_without_xxhash_the_sha256_is_checked(shards, monkeypatch):
+    monkeypatch.setattr(kvram.data._verify, "have_xxhash", lambda: False)
+    _flip_a_byte(os.path.join(shards.directory, "y-00001.npy"))
+    kvram.data._verify.forget_checked()
+    with pytest.raises(ShardError, match="checksum mismatch: SHA-256"):
+        ShardedDataset(shards.directory).read(300, 310)
 
 
 def test_a_shard_deleted_after_open(shards):

@@ -7,7 +7,10 @@ evicted from the page cache (`posix_fadvise(DONTNEED)`), so each reads from disk
 (`np.copyto`), so every byte is touched the same way for every method:
 
 - raw: `np.copyto` straight from the memmap, batch by batch (the ceiling);
-- kvram: `ShardedDataset.to_tf_dataset(shuffle=False)` and `(shuffle=True)`;
+- kvram: `ShardedDataset.to_tf_dataset(shuffle=False)` and `(shuffle=True)`, each
+  with its checksum check on first read (the default, on a fresh dataset in a
+  process that has checked nothing: a first epoch) and `_unverified`
+  (`verify_on_read=False`); `verify_cost` is 1 - checked / unchecked bandwidth;
 - from_generator: a generator yielding the same memmap slices;
 - from_tensor_slices: the arrays loaded into memory first (time reported apart),
   then `from_tensor_slices(...).batch(...)`, what Keras does with a memmap.
@@ -59,7 +62,8 @@ def make_shards(directory, gib, row_kib):
             n = min(1024, rows - start)
             yield np.full((n, width), start, np.float32)
 
-    return write_shards(batches(), directory, samples_per_shard=8192, checksum=False, verbose=0)
+    # With checksums, as write_shards writes by default: the readers below check them.
+    return write_shards(batches(), directory, samples_per_shard=8192, overwrite=True, verbose=0)
 
 
 def io(args):
@@ -67,10 +71,13 @@ def io(args):
 
     from kvram.data import ShardedDataset
 
+    from kvram import _verify
+
     directory = args.dir or os.path.join(tempfile.gettempdir(), "kvram-io-bench")
-    if not os.path.exists(os.path.join(directory, "index.json")):
+    index = os.path.join(directory, "index.json")
+    if not os.path.exists(index) or '"sha256": null' in open(index).read():
         make_shards(directory, args.gib, args.row_kib)
-    data = ShardedDataset(directory)
+    data = ShardedDataset(directory, verify_on_read=False)
     nbytes, batch = data.nbytes, args.batch
     field = list(data.fields)[0]
     rows = len(data)
@@ -84,9 +91,14 @@ def io(args):
         for start in range(0, rows, batch):
             consume(data.read(start, min(start + batch, rows), [field])[field])
 
-    def kvram_pipeline(shuffle):
+    def kvram_pipeline(shuffle, verify=True):
+        """A fresh dataset; with `verify`, every shard's SHA-256 is checked on its
+        first read (this process forgets earlier checks first): a first epoch,
+        the check's worst case."""
         def run():
-            for item in data.to_tf_dataset(batch, shuffle=shuffle, seed=0):
+            _verify.forget_checked()
+            fresh = ShardedDataset(directory, verify_on_read=verify)
+            for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0):
                 consume(item.numpy())
         return run
 
@@ -116,18 +128,27 @@ def io(args):
     methods = {
         "raw_memmap_copy": raw,
         "kvram": kvram_pipeline(False),
+        "kvram_unverified": kvram_pipeline(False, verify=False),
         "kvram_shuffled": kvram_pipeline(True),
+        "kvram_shuffled_unverified": kvram_pipeline(True, verify=False),
         "from_generator": from_generator,
         "from_tensor_slices": from_tensor_slices,
     }
     results = {}
-    for name in args.methods or methods:
-        if not args.cached:
-            evict(directory)
-        started = time.perf_counter()
-        methods[name]()
-        seconds = time.perf_counter() - started
-        results[name] = {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
+    names = args.methods or list(methods)
+    runs = {name: [] for name in names}
+    for round_ in range(args.repeat):  # round-robin, so drift hits every method alike
+        for name in names:
+            if not args.cached:
+                evict(directory)
+            started = time.perf_counter()
+            methods[name]()
+            runs[name].append(time.perf_counter() - started)
+            print(name, f"round {round_ + 1}: {nbytes / runs[name][-1] / 1e9:.2f} GB/s", flush=True)
+    for name in names:
+        seconds = float(np.median(runs[name]))
+        results[name] = {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
+                         "seconds_each": runs[name]}
         if name == "from_tensor_slices":
             results[name].update(load_seconds=loaded["seconds"],
                                  iterate_gb_per_s=nbytes / loaded["iterate_seconds"] / 1e9)
@@ -136,7 +157,12 @@ def io(args):
     if raw_rate:
         for record in results.values():
             record["fraction_of_raw"] = record["gb_per_s"] / raw_rate
-    return {"bytes": nbytes, "rows": rows, "row_bytes": int(np.prod(width)) * 4, "batch": batch,
+    for name in ("kvram", "kvram_shuffled"):
+        if name in results and f"{name}_unverified" in results:
+            results[name]["verify_cost"] = 1 - (
+                results[name]["gb_per_s"] / results[f"{name}_unverified"]["gb_per_s"]
+            )
+    return {"bytes": nbytes, "rows": rows, "repeat": args.repeat, "row_bytes": int(np.prod(width)) * 4, "batch": batch,
             "page_cache_evicted_before_each": not args.cached, "directory": directory,
             "results": results}
 
@@ -276,6 +302,8 @@ def main(argv=None):
     p_io = shard_reader("io", 1.0)
     p_io.add_argument("--cached", action="store_true", help="do not evict the page cache")
     p_io.add_argument("--methods", nargs="*")
+    p_io.add_argument("--repeat", type=int, default=1,
+                      help="passes per method, round-robin; the median is reported")
     shard_reader("rss", 8.0)
     p_train = sub.add_parser("train")
     p_train.add_argument("--images", type=int, default=4096)
