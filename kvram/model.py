@@ -363,12 +363,28 @@ class Model(keras.Model):
         m = tf.cast(micro_batch_size, rows.dtype)
         weights = self.trainable_weights
         present = [True] * len(weights)  # set while the loop body is traced
+        static_rows = next(t for t in tree.flatten(x) if t is not None).shape[0]
+        if isinstance(micro_batch_size, int) and static_rows and static_rows % micro_batch_size == 0:
+            # Equal slices of a known size: cut by a reshape, so that every slice
+            # has a static shape (the graph's optimisations see whole shapes).
+            k = static_rows // micro_batch_size
 
-        def take(start, size):
-            def cut(t):
-                return None if t is None else t[start : start + size]
+            def fold(t):
+                return None if t is None else tf.reshape(t, [k, micro_batch_size] + t.shape[1:].as_list())
 
-            return tree.map_structure(cut, (x, y, sample_weight))
+            folded = tree.map_structure(fold, (x, y, sample_weight))
+
+            def take(start, size):
+                index = start // micro_batch_size
+                return tree.map_structure(lambda t: None if t is None else t[index], folded)
+
+        else:
+
+            def take(start, size):
+                def cut(t):
+                    return None if t is None else t[start : start + size]
+
+                return tree.map_structure(cut, (x, y, sample_weight))
 
         def body(start, sums):
             size = tf.minimum(m, rows - start)

@@ -120,7 +120,7 @@ def test_fit_survives_injected_ooms_and_equals_an_uninterrupted_run(accumulation
     # Slices above 5 rows fail (16 -> 8 -> 4), plus failures at chosen calls.
     oom = InjectedOOM(rows=5, fail_calls={9, 30, 31, 77})
     net = network(oom, eager=True, accumulation_steps=accumulation_steps)
-    controller = AdaptiveBatchSize(verbose=0)
+    controller = AdaptiveBatchSize(verbose=0, device="CPU:0")
     history = net.fit(dataset(), epochs=epochs, verbose=0, callbacks=[controller])
 
     # 16 -> 8 -> 4 by size; call 9 fails at 4 (-> 2), call 30 at 2 (-> 1), then
@@ -151,7 +151,7 @@ def test_a_hundred_ooms_in_one_fit():
     # fails too, so each batch of two slices fails once and is run again.
     oom = InjectedOOM(rows=5, fail_calls={i for i in range(0, 10_000, 3)})
     net = network(oom, eager=True, metrics=False)
-    controller = AdaptiveBatchSize(min_micro_batch=4, verbose=0)
+    controller = AdaptiveBatchSize(min_micro_batch=4, verbose=0, device="CPU:0")
     net.fit(dataset(8), epochs=epochs, verbose=0, callbacks=[controller])
     assert controller.oom_count >= 100
     assert max_rel_diff(weights(plain), weights(net)) < TOL
@@ -195,7 +195,7 @@ def test_recovery_from_a_compiled_step_restores_graph_written_state(monkeypatch)
     net = with_bn()
     monkeypatch.setattr(_train_function.TrainFunction, "_gradients", failing_gradients)
     # micro-batch stays at the batch: min_micro_batch = 16 retries in place.
-    controller = AdaptiveBatchSize(min_micro_batch=16, verbose=0)
+    controller = AdaptiveBatchSize(min_micro_batch=16, verbose=0, device="CPU:0")
     history = net.fit(dataset(), epochs=2, verbose=0, callbacks=[controller])
     assert controller.oom_count == N // 16  # calls 1, 4, 7, ...: every other step
     for a, b in zip(plain.variables, net.variables):
@@ -208,7 +208,7 @@ def test_gives_up_with_a_clear_error_after_retries_at_the_minimum():
     net = network(oom, eager=True)
     before = weights(net)
     with pytest.raises(RuntimeError, match=r"smallest micro-batch \(1 rows\), 3 times"):
-        net.fit(dataset(), epochs=1, verbose=0, callbacks=[AdaptiveBatchSize(max_retries=2, verbose=0)])
+        net.fit(dataset(), epochs=1, verbose=0, callbacks=[AdaptiveBatchSize(max_retries=2, verbose=0, device="CPU:0")])
     assert max_rel_diff(before, weights(net)) == 0
     assert int(net.optimizer.iterations.numpy()) == 0
     np.testing.assert_array_equal(seen(net), np.zeros(N))
@@ -223,7 +223,7 @@ def test_other_errors_are_not_taken_for_ooms():
 
     net = network(Broken(), eager=True)
     with pytest.raises(tf.errors.InvalidArgumentError, match="a real bug"):
-        net.fit(dataset(), epochs=1, verbose=0, callbacks=[AdaptiveBatchSize(verbose=0)])
+        net.fit(dataset(), epochs=1, verbose=0, callbacks=[AdaptiveBatchSize(verbose=0, device="CPU:0")])
 
 
 def test_is_out_of_memory():
@@ -321,12 +321,13 @@ def test_hysteresis_no_change_for_less_than_ten_percent(monkeypatch):
 
 def test_headroom_with_real_cpu_allocator_stats():
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((64,))
-    x = inputs
-    for _ in range(3):
-        x = keras.layers.Dense(512, activation="relu")(x)
-    net = kvram.Model(inputs, keras.layers.Dense(1)(x), micro_batch_size=8)
-    net.compile(optimizer="sgd", loss="mse")
+    with tf.device("CPU:0"):  # the model, its variables and its steps (also on a GPU machine)
+        inputs = keras.Input((64,))
+        x = inputs
+        for _ in range(3):
+            x = keras.layers.Dense(512, activation="relu")(x)
+        net = kvram.Model(inputs, keras.layers.Dense(1)(x), micro_batch_size=8)
+        net.compile(optimizer="sgd", loss="mse")
     data = tf.data.Dataset.from_tensors((tf.ones((1024, 64)), tf.ones((1024, 1)))).repeat(12)
     with tf.device("CPU:0"):
         roomy = AdaptiveBatchSize(memory_limit=2**30, device="CPU:0", verbose=0)
@@ -345,7 +346,7 @@ def test_adaptive_batch_size_needs_a_kvram_model():
     net = keras.Model(inputs, keras.layers.Dense(1)(inputs))
     net.compile(optimizer="sgd", loss="mse")
     with pytest.raises(TypeError, match="needs a kvram.Model"):
-        net.fit(np.ones((8, 8)), np.ones((8, 1)), verbose=0, callbacks=[AdaptiveBatchSize()])
+        net.fit(np.ones((8, 8)), np.ones((8, 1)), verbose=0, callbacks=[AdaptiveBatchSize(device="CPU:0")])
 
 
 @pytest.mark.parametrize(
@@ -368,7 +369,7 @@ def test_adaptive_batch_size_bad_arguments(kwargs, error, text):
 def test_one_controller_per_fit():
     net = network()
     with pytest.raises(ValueError, match="at most one AdaptiveBatchSize"):
-        net.fit(dataset(), verbose=0, callbacks=[AdaptiveBatchSize(), AdaptiveBatchSize()])
+        net.fit(dataset(), verbose=0, callbacks=[AdaptiveBatchSize(device="CPU:0"), AdaptiveBatchSize(device="CPU:0")])
 
 
 # find_max_batch_size ------------------------------------------------------------
@@ -426,15 +427,16 @@ def test_memory_logger_writes_csv_tensorboard_and_png(tmp_path):
     from matplotlib import image
 
     oom = InjectedOOM(rows=5, fail_calls={40})
-    net = network(oom, eager=True, width=4096)  # large enough for the CPU allocator's counts
     logdir = tmp_path / "logs"
     controller = AdaptiveBatchSize(verbose=0, device="CPU:0")
-    net.fit(
-        dataset(),
-        epochs=2,
-        verbose=0,
-        callbacks=[controller, MemoryLogger(logdir, device="CPU:0")],
-    )
+    with tf.device("CPU:0"):  # measured on CPU:0, so run there (also on a GPU machine)
+        net = network(oom, eager=True, width=4096)  # large enough for the CPU allocator's counts
+        net.fit(
+            dataset(),
+            epochs=2,
+            verbose=0,
+            callbacks=[controller, MemoryLogger(logdir, device="CPU:0")],
+        )
     steps = 2 * N // 16
     with open(logdir / "memory.csv") as handle:
         rows = list(csv.DictReader(handle))

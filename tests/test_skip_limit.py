@@ -43,7 +43,7 @@ def test_all_nan_inputs_stop_fit_naming_the_inputs(adaptive):
     net = model()
     net.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     before = values(net.weights)
-    callbacks = [kvram.callbacks.AdaptiveBatchSize(verbose=0)] if adaptive else []
+    callbacks = [kvram.callbacks.AdaptiveBatchSize(verbose=0, device="CPU:0")] if adaptive else []
     error, texts = fit_collecting_warnings(
         net, batches(40, nan_rows=range(320)), epochs=3, callbacks=callbacks
     )

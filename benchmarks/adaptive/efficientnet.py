@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench import ROOT, _commit, environment  # noqa: E402
 
-PARTS = ("by_hand", "adaptive", "fixed_steps", "fixed_images")
+PARTS = ("by_hand", "adaptive", "fixed_steps", "fixed_images", "micro")
 
 
 def setup(args):
@@ -189,7 +189,8 @@ def part_fixed(args, steps):
     xs = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps).unbatch()
     data = xs.take(images).batch(rows)
     record = timed_fit(tf, model, data)
-    record.update(batch_rows=rows, images=images)
+    steps = sorted(record["step_seconds_after_first"])
+    record.update(batch_rows=rows, images=images, steady_img_per_s=rows / steps[len(steps) // 2])
     return record
 
 
@@ -199,6 +200,31 @@ def part_fixed_steps(args):
 
 def part_fixed_images(args):
     return part_fixed(args, None)
+
+
+def part_micro(args):
+    """kvram.Model on `--steps` batches of `--rows` at a fixed micro-batch `--micro`
+    (0: none): through the fixed-size step (static slice shapes when the size
+    divides the batch), or with `--pinned`, through AdaptiveBatchSize held at
+    that size (the size is a tensor: slice shapes unknown to the graph)."""
+    tf, keras, shape, classes = setup(args)
+    import kvram
+
+    model = build(keras, shape, classes, kvram_model=True)
+    callbacks = []
+    if args.pinned:
+        callbacks.append(kvram.callbacks.AdaptiveBatchSize(
+            min_micro_batch=args.micro, max_micro_batch=args.micro, probe=False, verbose=0))
+    else:
+        model.micro_batch_size = args.micro or None
+    compile_model(keras, model)
+    x, y = batch_of(tf, shape, classes, args.rows)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps)
+    record = timed_fit(tf, model, data, callbacks)
+    steps = sorted(record["step_seconds_after_first"])
+    record.update(batch_rows=args.rows, micro_batch_size=args.micro or None, pinned=args.pinned,
+                  steady_img_per_s=args.rows / steps[len(steps) // 2])
+    return record
 
 
 def summarize(parts: dict) -> dict:
@@ -227,6 +253,9 @@ def main(argv=None):
     parser.add_argument("--lo", type=int, default=64, help="by_hand: a batch that fits")
     parser.add_argument("--hi", type=int, default=256, help="by_hand: a batch taken not to fit")
     parser.add_argument("--precision", type=int, default=8)
+    parser.add_argument("--micro", type=int, default=0, help="micro part: micro-batch (0: none)")
+    parser.add_argument("--pinned", action="store_true",
+                        help="micro part: through AdaptiveBatchSize held at --micro")
     parser.add_argument("--smoke", action="store_true", help="64x64 images, for a CPU check")
     parser.add_argument("--timeout", type=int, default=560, help="seconds per part")
     parser.add_argument("--out", default="efficientnet.json")
@@ -250,6 +279,11 @@ def main(argv=None):
                    "--lo", str(args.lo), "--hi", str(args.hi), "--precision", str(args.precision)]
         if args.smoke:
             command.append("--smoke")
+        key = part
+        if part == "micro":
+            command += ["--rows", str(args.rows), "--micro", str(args.micro)]
+            command += ["--pinned"] if args.pinned else []
+            key = f"micro_{args.rows}_{args.micro or 'none'}" + ("_pinned" if args.pinned else "")
         if part.startswith("fixed"):
             rows = args.rows or parts.get("by_hand", {}).get("true_max_rows")
             if rows is None:
@@ -258,7 +292,7 @@ def main(argv=None):
             command += ["--rows", str(rows)]
         print(f"== {part}: {' '.join(command[2:])}", flush=True)
         started = time.perf_counter()
-        log_path = f"{os.path.splitext(args.out)[0]}_{part}.log"
+        log_path = f"{os.path.splitext(args.out)[0]}_{key}.log"
         with open(log_path, "w") as log:
             try:
                 done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
@@ -279,7 +313,7 @@ def main(argv=None):
             record = {"error": why, "log_tail": lines[-30:]}
         record["process_seconds"] = time.perf_counter() - started
         record["commit"] = _commit()
-        parts[part] = record
+        parts[key] = record
         print(json.dumps({k: v for k, v in record.items()
                           if k not in ("probes", "events", "step_seconds_after_first", "log_tail")}),
               flush=True)
