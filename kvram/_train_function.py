@@ -22,11 +22,16 @@ On an OOM in part 1 the batch controller (`kvram.callbacks.AdaptiveBatchSize`)
 picks a smaller micro-batch and the same batch runs again, so every sample is
 trained on exactly once and `optimizer.iterations` counts real updates only.
 
-Part 1 takes the micro-batch size as a tensor and is traced once, with the
-batch dimension left open: changing the size, or a short last batch, costs no
-retrace. Before the first step the controller may probe: part 1 runs on a few
-rows of the batch at small sizes (`probe`), with every state it writes put back
-afterwards, so that the controller can predict memory per row.
+Part 1 comes in two forms. For full-size batches it is traced once per
+micro-batch size for the batch's own shape, so that every slice has a static
+shape (on the GPU, unknown slice shapes cost ~30% of the step: see
+`Model._micro_batch_gradients`); the controller's ladder and hysteresis keep
+sizes few. For the controller's probes and for short batches (the last of an
+epoch) a second form takes the size as a tensor and is traced once, with the
+batch dimension left open, for every size and batch. Before the first step the
+controller may probe: part 1 runs on a few rows of the batch at small sizes,
+with every state it writes put back afterwards, so that the controller can
+predict memory per row.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class TrainFunction:
         self._snapshot_function = None
         self._restore_function = None
         self._built = False
+        self._full_rows = 0
 
     def build(self, data) -> None:
         """Creates the model's, metrics' and optimizer's variables before any tracing.
@@ -117,18 +123,24 @@ class TrainFunction:
                 "kvram.callbacks.find_max_batch_size on one device)."
             )
         rows = _local_rows(data)
-        function = self._gradients()
-        _trace(function, data)  # once; the clock below times runs only
+        self._full_rows = max(self._full_rows, rows)
 
         def probe(size: int, rows_used: int) -> bool:
-            return self._probe(function, data, size, rows_used)
+            return self._probe(self.gradients_function(data), data, size, rows_used)
 
         micro_batch_size = controller.begin_step(model, rows, probe, _nbytes(data))
         while True:
+            if rows == self._full_rows:  # static slice shapes: one trace per size
+                function, args = self._static_gradients(micro_batch_size), (data,)
+            else:  # a short batch: the graph for any size, traced once
+                function = self.gradients_function(data)
+                args = (data, tf.constant(micro_batch_size, tf.int32))
+            if hasattr(function, "get_concrete_function"):
+                function.get_concrete_function(*args)  # trace first: the clock times runs only
             saved = self._snapshot()
             started = time.perf_counter()
             try:
-                result = function(data, tf.constant(micro_batch_size, tf.int32))
+                result = function(*args)
                 break
             except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as error:
                 if not is_out_of_memory(error):
@@ -182,13 +194,15 @@ class TrainFunction:
             if hasattr(f, "experimental_get_tracing_count")
         )
 
-    def _compiled(self, key, step, jit_compile=False):
+    def _compiled(self, key, step, jit_compile=False, reduce_retracing=True):
         """`step` as a cached `tf.function` (as is when the model runs eagerly)."""
         function = self._functions.get(key)
         if function is None:
             function = step
             if not self.model.run_eagerly:
-                function = tf.function(step, reduce_retracing=True, jit_compile=jit_compile)
+                function = tf.function(
+                    step, reduce_retracing=reduce_retracing, jit_compile=jit_compile
+                )
             self._functions[key] = function
         return function
 
@@ -203,28 +217,37 @@ class TrainFunction:
 
         return self._compiled(("fused", micro_batch_size), step)
 
+    def _replica_gradients(self, data, micro_batch_size):
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        from kvram.model import all_finite, bad_inputs
+
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        gradients = self.model._micro_batch_gradients(x, y, sample_weight, micro_batch_size)
+        # The batch is checked for NaN/Inf only when its gradients are not finite.
+        return gradients, bad_inputs(all_finite(gradients), (x, y, sample_weight))
+
     def _gradients(self):
         """Part 1, `(data, micro_batch_size) -> (gradients, bad_inputs)`, for any
-        batch and micro-batch size."""
-        model = self.model
-        strategy = model.distribute_strategy
-
-        def replica_gradients(data, micro_batch_size):
-            from keras.src.trainers.data_adapters import data_adapter_utils
-
-            from kvram.model import all_finite, bad_inputs
-
-            x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-            gradients = model._micro_batch_gradients(x, y, sample_weight, micro_batch_size)
-            # The batch is checked for NaN/Inf only when its gradients are not finite.
-            return gradients, bad_inputs(all_finite(gradients), (x, y, sample_weight))
+        batch and micro-batch size (slice shapes unknown to the graph)."""
+        strategy = self.model.distribute_strategy
 
         def gradients(data, micro_batch_size):
-            return strategy.run(replica_gradients, args=(data, micro_batch_size))
+            return strategy.run(self._replica_gradients, args=(data, micro_batch_size))
 
         # Slices loop in TF's executor; each slice is XLA-compiled inside when the
         # model compiles with XLA (see Model._micro_batch_gradients).
         return self._compiled("gradients", gradients)
+
+    def _static_gradients(self, micro_batch_size: int):
+        """Part 1 at one micro-batch size, `data -> (gradients, bad_inputs)`,
+        traced for the batch's own shape: every slice's shape is static."""
+        strategy = self.model.distribute_strategy
+
+        def gradients(data):
+            return strategy.run(self._replica_gradients, args=(data, micro_batch_size))
+
+        return self._compiled(("static", micro_batch_size), gradients, reduce_retracing=False)
 
     def _apply(self):
         model = self.model

@@ -350,58 +350,84 @@ class Model(keras.Model):
     def _micro_batch_gradients(self, x, y, sample_weight, micro_batch_size):
         """The batch's gradients, summed over slices of `micro_batch_size` rows.
 
-        `micro_batch_size` is an int or a scalar tensor: as a tensor, one traced
-        graph serves every size (`AdaptiveBatchSize` changes it without a
-        retrace). Every slice runs in one `tf.while_loop` (TF's graph executor,
-        not XLA, since the last slice may be shorter), so the model is traced
-        once; the sums start at zero. With `jit_compile`, each slice's forward
-        and backward is one XLA computation, compiled once per slice shape.
+        Two ways, the same sums:
+
+        - `micro_batch_size` an int and the batch's size known to the graph:
+          every slice has a static shape (full slices cut by a reshape and run
+          in a `tf.while_loop`, a shorter last slice after it). TF's GPU graph
+          optimisations need the shapes: measured on EfficientNetV2S (H200,
+          bf16), static slices train 1.44x faster than the same slices with
+          unknown shapes. The model is traced once for the loop and once more
+          for a shorter last slice, if there is one.
+        - otherwise (`micro_batch_size` a tensor, or an unknown batch size):
+          one traced graph serves every size and batch (`AdaptiveBatchSize`'s
+          probes, short batches), with slice shapes unknown to the graph.
+
+        Slices run one at a time (`parallel_iterations=1`) in TF's graph
+        executor, not XLA; with `jit_compile`, each slice's forward and backward
+        is one XLA computation, compiled once per slice shape. The sums start
+        at zero.
         """
         slice_fn = self._slice_function()
         rows = _rows(x)
         total = tf.cast(rows, tf.float32)
-        m = tf.cast(micro_batch_size, rows.dtype)
         weights = self.trainable_weights
-        present = [True] * len(weights)  # set while the loop body is traced
-        static_rows = next(t for t in tree.flatten(x) if t is not None).shape[0]
-        if isinstance(micro_batch_size, int) and static_rows and static_rows % micro_batch_size == 0:
-            # Equal slices of a known size: cut by a reshape, so that every slice
-            # has a static shape (the graph's optimisations see whole shapes).
-            k = static_rows // micro_batch_size
+        present = [True] * len(weights)  # set while a slice is traced
+        data = (x, y, sample_weight)
 
-            def fold(t):
-                return None if t is None else tf.reshape(t, [k, micro_batch_size] + t.shape[1:].as_list())
-
-            folded = tree.map_structure(fold, (x, y, sample_weight))
-
-            def take(start, size):
-                index = start // micro_batch_size
-                return tree.map_structure(lambda t: None if t is None else t[index], folded)
-
-        else:
-
-            def take(start, size):
-                def cut(t):
-                    return None if t is None else t[start : start + size]
-
-                return tree.map_structure(cut, (x, y, sample_weight))
-
-        def body(start, sums):
-            size = tf.minimum(m, rows - start)
-            xs, ys, sws = take(start, size)
+        def add_slice(sums, part, size):
+            xs, ys, sws = part
             gradients, y_pred = slice_fn(xs, ys, sws, tf.cast(size, tf.float32) / total)
             self.compute_metrics(xs, ys, y_pred, sample_weight=sws)
             present[:] = [g is not None for g in gradients]
-            return start + m, [
-                s if g is None else s + _dense(g) for s, g in zip(sums, gradients)
-            ]
+            return [s if g is None else s + _dense(g) for s, g in zip(sums, gradients)]
 
-        _, sums = tf.while_loop(
-            lambda start, _: start < rows,
-            body,
-            (tf.zeros_like(rows), [tf.zeros(tuple(w.shape), dtype=w.dtype) for w in weights]),
-            parallel_iterations=1,  # one slice in memory at a time
-        )
+        def loop(count, take, step):
+            """Sums over `count` slices; `take(i)` is slice i, of `step` rows."""
+            zeros = [tf.zeros(tuple(w.shape), dtype=w.dtype) for w in weights]
+            if isinstance(count, int) and count == 0:
+                return zeros
+            _, sums = tf.while_loop(
+                lambda i, _: i < count,
+                lambda i, sums: (i + 1, add_slice(sums, take(i), step)),
+                (tf.constant(0), zeros),
+                parallel_iterations=1,  # one slice in memory at a time
+            )
+            return sums
+
+        static_rows = next(t for t in tree.flatten(x) if t is not None).shape[0]
+        if isinstance(micro_batch_size, int) and static_rows is not None:
+            m = micro_batch_size
+            full, rest = divmod(static_rows, m)
+
+            def fold(t):
+                return None if t is None else tf.reshape(t[: full * m], [full, m] + t.shape[1:].as_list())
+
+            folded = tree.map_structure(fold, data)
+            sums = loop(full, lambda i: tree.map_structure(lambda t: None if t is None else t[i], folded), m)
+            if rest:
+                last = tree.map_structure(lambda t: None if t is None else t[full * m :], data)
+                sums = add_slice(sums, last, rest)
+        else:
+            m = tf.cast(micro_batch_size, rows.dtype)
+            count = (rows + m - 1) // m
+
+            def take(i):
+                start = tf.cast(i, rows.dtype) * m
+                size = tf.minimum(m, rows - start)
+                return tree.map_structure(lambda t: None if t is None else t[start : start + size], data)
+
+            def dynamic_step(sums, i):
+                start = tf.cast(i, rows.dtype) * m
+                return add_slice(sums, take(i), tf.minimum(m, rows - start))
+
+            zeros = [tf.zeros(tuple(w.shape), dtype=w.dtype) for w in weights]
+            _, sums = tf.while_loop(
+                lambda i, _: i < tf.cast(count, tf.int32),
+                lambda i, sums: (i + 1, dynamic_step(sums, i)),
+                (tf.constant(0), zeros),
+                parallel_iterations=1,
+            )
         return [s if p else None for s, p in zip(sums, present)]
 
     def _slice_function(self):

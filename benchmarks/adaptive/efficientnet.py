@@ -159,7 +159,10 @@ def part_adaptive(args):
     controller = kvram.callbacks.AdaptiveBatchSize(verbose=1)
     record = timed_fit(tf, model, data, [controller])
     function = model.train_function
-    gradient_traces = function._functions["gradients"].experimental_get_tracing_count()
+    gradient_traces = sum(  # the gradient pass: for any size, and one per size (static)
+        f.experimental_get_tracing_count() for key, f in function._functions.items()
+        if key != "apply"
+    )
     events = [e.as_dict() for e in controller.events]
     ooms = [e for e in events if e["kind"] == "oom"]
     record.update(
