@@ -22,16 +22,15 @@ On an OOM in part 1 the batch controller (`kvram.callbacks.AdaptiveBatchSize`)
 picks a smaller micro-batch and the same batch runs again, so every sample is
 trained on exactly once and `optimizer.iterations` counts real updates only.
 
-Part 1 comes in two forms. For full-size batches it is traced once per
-micro-batch size for the batch's own shape, so that every slice has a static
-shape (on the GPU, unknown slice shapes cost ~30% of the step: see
-`Model._micro_batch_gradients`); the controller's ladder and hysteresis keep
-sizes few. For the controller's probes and for short batches (the last of an
-epoch) a second form takes the size as a tensor and is traced once, with the
-batch dimension left open, for every size and batch. Before the first step the
-controller may probe: part 1 runs on a few rows of the batch at small sizes,
-with every state it writes put back afterwards, so that the controller can
-predict memory per row.
+Part 1 takes the micro-batch size as a tensor and is traced once, with the
+batch dimension left open: changing the size, or a short last batch, costs no
+retrace. Its slices' shapes are unknown to the graph, which on the GPU costs
+~30% of a step against static slices (`Model._micro_batch_gradients`, used by
+a fixed `micro_batch_size`); tracing a static graph per size instead was
+measured slower for a short fit (see benchmarks/README.md, adaptive). Before
+the first step the controller may probe: part 1 runs on a few rows of the
+batch at small sizes, with every state it writes put back afterwards, so that
+the controller can predict memory per row.
 """
 
 from __future__ import annotations
@@ -73,7 +72,6 @@ class TrainFunction:
         self._snapshot_function = None
         self._restore_function = None
         self._built = False
-        self._full_rows = 0
 
     def build(self, data) -> None:
         """Creates the model's, metrics' and optimizer's variables before any tracing.
@@ -123,20 +121,14 @@ class TrainFunction:
                 "kvram.callbacks.find_max_batch_size on one device)."
             )
         rows = _local_rows(data)
-        self._full_rows = max(self._full_rows, rows)
 
         def probe(size: int, rows_used: int) -> bool:
             return self._probe(self.gradients_function(data), data, size, rows_used)
 
         micro_batch_size = controller.begin_step(model, rows, probe, _nbytes(data))
+        function = self.gradients_function(data)  # one trace, for every size and batch
         while True:
-            if rows == self._full_rows:  # static slice shapes: one trace per size
-                function, args = self._static_gradients(micro_batch_size), (data,)
-            else:  # a short batch: the graph for any size, traced once
-                function = self.gradients_function(data)
-                args = (data, tf.constant(micro_batch_size, tf.int32))
-            if hasattr(function, "get_concrete_function"):
-                function.get_concrete_function(*args)  # trace first: the clock times runs only
+            args = (data, tf.constant(micro_batch_size, tf.int32))
             saved = self._snapshot()
             started = time.perf_counter()
             try:
@@ -238,16 +230,6 @@ class TrainFunction:
         # Slices loop in TF's executor; each slice is XLA-compiled inside when the
         # model compiles with XLA (see Model._micro_batch_gradients).
         return self._compiled("gradients", gradients)
-
-    def _static_gradients(self, micro_batch_size: int):
-        """Part 1 at one micro-batch size, `data -> (gradients, bad_inputs)`,
-        traced for the batch's own shape: every slice's shape is static."""
-        strategy = self.model.distribute_strategy
-
-        def gradients(data):
-            return strategy.run(self._replica_gradients, args=(data, micro_batch_size))
-
-        return self._compiled(("static", micro_batch_size), gradients, reduce_retracing=False)
 
     def _apply(self):
         model = self.model
