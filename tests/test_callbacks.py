@@ -303,6 +303,23 @@ def test_headroom_grows_and_shrinks_the_micro_batch(
         assert controller.events[2].predicted_bytes == 1000 + 10_000 * 48 - 96 * 48 + 48 * 96
 
 
+@pytest.mark.parametrize("limit, kinds", [(6500, []), (6200, ["shrink"])])
+def test_a_peak_a_little_over_the_target_keeps_the_size(monkeypatch, limit, kinds):
+    """Micro-batch 48 peaks at 5800. Limit 6500: over the target (5525) but under
+    the shrink line halfway to the limit (6012.5): kept. Limit 6200: over its
+    shrink line (5735): shrinks to a size predicted under the target."""
+    net = network(micro_batch_size=48)
+    FakeMemory(net, base=1000, per_row=100).install(monkeypatch)
+    controller = AdaptiveBatchSize(memory_limit=limit, target_utilization=0.85, verbose=0)
+    net.fit(dataset(N).repeat(6), epochs=1, verbose=0, callbacks=[controller])
+    assert [e.kind for e in controller.events] == kinds
+    if kinds:
+        assert net.micro_batch_size == 32  # 1000 + 100 * 32 = 4200 <= 5270
+        assert controller.events[0].peak_bytes == 5800
+    else:
+        assert net.micro_batch_size == 48
+
+
 def test_hysteresis_no_change_for_less_than_ten_percent(monkeypatch):
     from kvram.callbacks import rungs
 
