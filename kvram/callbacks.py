@@ -337,13 +337,16 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
             return None
         return int(start + self._fixed + self._per_row * size)
 
+    def _shrink_share(self) -> float:
+        return self.target_utilization + (1 - self.target_utilization) / 2
+
     def _shrink_line(self) -> float:
         """Peaks above this shrink the micro-batch: halfway between the target
         and the limit. A size chosen to peak under the target is kept through a
         peak a little over it (allocator noise): a new size costs cuDNN's
         autotuning of its slice shapes (41.8 s for one step of EfficientNetV2S
         on an H200, benchmarks/results/adaptive_efficientnet_h200.json)."""
-        return (self.target_utilization + (1 - self.target_utilization) / 2) * self._limit
+        return self._shrink_share() * self._limit
 
     def _fits(self, size: int, start: int) -> bool:
         return self._predict(size, start) <= self.target_utilization * self._limit
@@ -371,7 +374,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
                 f"{details.get('seconds_to_error', 0):.1f} s); running the same batch again at {new}",
                 "grow": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))})",
                 "shrink": f"micro-batch {old} -> {new} (peak {_mib(details.get('peak_bytes'))} "
-                f"over {self._shrink_line() / self._limit:.1%} of {_mib(self._limit)})",
+                f"over {self._shrink_share():.1%} of {_mib(self._limit)})",
             }[kind]
         text = f"AdaptiveBatchSize: step {self._step + 1} (epoch {self._epoch + 1}): {text}"
         _log.info(text)
