@@ -148,6 +148,46 @@ def part_by_hand(args):
             "assumed_failing": args.hi, "probes": probes}
 
 
+def time_phases(tf):
+    """Where the first steps' time goes, from wrappers around kvram's training
+    function: tracing the gradient pass, each run of it (probes included, by
+    rows and micro-batch) and of the update. Runs read one value back, so a
+    phase ends when the device has finished it. Only the first 24 are kept."""
+    from kvram import _train_function as train_function
+
+    phases, cls = [], train_function.TrainFunction
+    origin = time.perf_counter()
+
+    def timed(name, call, *args, sync=True):
+        started = time.perf_counter()
+        out = call(*args)
+        if len(phases) < 24:
+            values = [v for v in tf.nest.flatten(out) if isinstance(v, tf.Tensor)] if sync else []
+            if values:
+                float(tf.reduce_sum(tf.cast(values[-1], tf.float32)))
+            phases.append({"phase": name, "seconds": time.perf_counter() - started,
+                           "at": started - origin})
+        return out
+
+    gradients_function, apply_ = cls.gradients_function, cls._apply
+
+    def gradients_function_timed(self, data):
+        function = timed("trace gradient pass", gradients_function, self, data, sync=False)
+
+        def run(part, size):
+            rows = int(tf.shape(tf.nest.flatten(part)[0])[0])
+            return timed(f"gradient pass {rows} rows at {int(size)}", function, part, size)
+
+        return run
+
+    def apply_timed(self):
+        function = apply_(self)
+        return lambda result: timed("update", function, result)
+
+    cls.gradients_function, cls._apply = gradients_function_timed, apply_timed
+    return phases
+
+
 def part_adaptive(args):
     tf, keras, shape, classes = setup(args)
     import kvram
@@ -157,7 +197,9 @@ def part_adaptive(args):
     x, y = batch_of(tf, shape, classes, args.batch)
     data = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps)
     controller = kvram.callbacks.AdaptiveBatchSize(verbose=1)
+    phases = time_phases(tf)
     record = timed_fit(tf, model, data, [controller])
+    record["phases"] = phases
     function = model.train_function
     gradient_traces = sum(  # the gradient pass: for any size, and one per size (static)
         f.experimental_get_tracing_count() for key, f in function._functions.items()
