@@ -156,6 +156,7 @@ class TrainFunction:
         saved = self._snapshot()
         try:
             result = function(part, tf.constant(size, tf.int32))
+            tree.flatten(result)[-1].numpy()  # wait for the device: the caller times it
             del result
             return True
         except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as error:

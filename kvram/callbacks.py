@@ -51,6 +51,19 @@ class BatchEvent:
 _PROBE_MIN_ROWS = 32
 _PROBE_SHARE = 32
 _MIN_GAIN = 0.10
+# A new slice shape's first run (cuDNN autotuning) is weighed against the time a
+# larger slice saves only when it costs at least this many seconds.
+_MIN_SHAPE_SECONDS = 1.0
+
+
+def _slices(rows: int, size: int) -> list:
+    """The slice sizes of a batch of `rows` rows at micro-batch `size`."""
+    full, rest = divmod(rows, size)
+    return [size] * full + ([rest] if rest else [])
+
+
+def _shapes(rows: int, size: int) -> set:
+    return set(_slices(rows, size))
 
 
 def rungs(rows: int, low: int = 1, high: int | None = None) -> list:
@@ -88,6 +101,14 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
       that does not scale with it; the first size is the largest predicted to
       peak under `target_utilization` of the limit, so that out-of-memory
       errors, which TensorFlow takes tens of seconds to raise, are the exception.
+    - New slice shapes: the first run of a slice shape autotunes its
+      convolutions (on an H200, ~21 s for each shape of EfficientNetV2S). The
+      probes' times give the cost of a new shape and the time of a slice; when
+      a shape costs at least a second and the fit's length is known, a size
+      whose shapes are new is taken (first size, growth, shrinking) only if it
+      saves more than that cost over the remaining steps, else the largest
+      fitting size whose shapes have run (for 512 rows and probes at 16 and 32:
+      32, on 16 equal slices).
     - Out of memory during a step: the step's state is restored, memory freed,
       the micro-batch set back to the largest size that has completed a step
       (else the largest at most half the failed size) and **the same batch run
@@ -182,6 +203,12 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         # Memory model: a step peaks at start + fixed + per_row * micro-batch.
         self._per_row: float | None = None
         self._fixed: float = 0.0
+        # Time model (from the probes): a slice of m rows takes a + b * m seconds;
+        # a slice shape's first run costs `_shape_seconds` more (autotuning).
+        self._slice_seconds: tuple | None = None
+        self._shape_seconds = 0.0
+        self._seen: set = set()  # slice shapes (rows) that have run
+        self._clock = time.perf_counter
 
     # --- Keras callback hooks -------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -205,6 +232,8 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
         self._in_a_row = 0
+        if self.model.micro_batch_size is not None and self._rows:
+            self._seen |= _shapes(self._rows, self.model.micro_batch_size)
         peak = memory.peak_bytes(self.device)
         if not self._measure_next:
             self._measure_next = True
@@ -220,7 +249,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         ladder = rungs(self._rows, self.min_micro_batch, self.max_micro_batch)
         if peak > self._shrink_line() and size > self.min_micro_batch:
             fitting = [r for r in ladder if r < size and self._fits(r, self._start_bytes)]
-            new = fitting[0] if fitting else ladder[-1]
+            new = self._pick(fitting) if fitting else ladder[-1]
             self._ceiling = size if self._ceiling is None else min(self._ceiling, size)
             self._change("shrink", size, new, peak_bytes=peak,
                          predicted_bytes=self._predict(new, self._start_bytes))
@@ -233,7 +262,11 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
             and (self._ceiling is None or r < self._ceiling)
             and self._fits(r, self._start_bytes)
         ]
-        if fitting and fitting[0] >= size * (1 + _MIN_GAIN):
+        if (
+            fitting
+            and fitting[0] >= size * (1 + _MIN_GAIN)
+            and self._pick([fitting[0], size], say=False) != size  # worth its new slice shapes
+        ):
             self._change("grow", size, fitting[0], peak_bytes=peak,
                          predicted_bytes=self._predict(fitting[0], self._start_bytes))
 
@@ -294,18 +327,20 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         """(first size, its predicted peak) from two probes at p and 2p rows of
         micro-batch, each on two slices (so the gradient sum is counted)."""
         p = max(self.min_micro_batch, rows // _PROBE_SHARE)
-        used = {}
+        used, seconds = {}, {}
         for size in (p, 2 * p):
+            seconds[size] = []
             for _ in range(2):  # the first run of a shape also autotunes: not measured
                 memory.reset_peak(self.device)
                 start = memory.current_bytes(self.device)
-                started = time.perf_counter()
+                started = self._clock()
                 previous, self.model._micro_batch_size = self.model._micro_batch_size, size
                 try:
                     fits = probe(size, 2 * size)
                     peak = memory.peak_bytes(self.device)
                 finally:
                     self.model._micro_batch_size = previous
+                seconds[size].append(self._clock() - started)
                 if not fits:
                     self.oom_count += 1
                     self._ceiling = size
@@ -322,15 +357,64 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         else:
             fixed = used[p] - per_row * p - 2 * p * input_row
         self._per_row, self._fixed = per_row, fixed + input_row * rows
+        self._time_model(p, seconds)
         start = memory.current_bytes(self.device)
         fitting = [r for r in ladder if self._fits(r, start)]
-        size = fitting[0] if fitting else ladder[-1]
+        size = self._pick(fitting) if fitting else ladder[-1]
         if self.verbose:
             io_utils.print_msg(
                 f"AdaptiveBatchSize: probes at micro-batch {p} and {2 * p}: "
                 f"{per_row / _MIB:.1f} MiB per row, {self._fixed / _MIB:.0f} MiB besides"
             )
         return size, self._predict(size, start)
+
+    def _time_model(self, p: int, seconds: dict) -> None:
+        """Slice time a + b * m from the probes' second runs (two slices each at
+        p and 2p rows); a new shape's cost from the first run at 2p minus the
+        second (the first run at p also optimizes the graph: not a shape cost)."""
+        once, twice = seconds[p][1] / 2, seconds[2 * p][1] / 2
+        b = max(0.0, (twice - once) / p)
+        self._slice_seconds = (max(0.0, once - b * p), b)
+        self._shape_seconds = max(0.0, seconds[2 * p][0] - seconds[2 * p][1])
+        self._seen |= {p, 2 * p}
+
+    def _step_seconds(self, size: int) -> float:
+        a, b = self._slice_seconds
+        return sum(a + b * m for m in _slices(self._rows, size))
+
+    def _remaining_steps(self) -> int | None:
+        steps, epochs = (self.params or {}).get("steps"), (self.params or {}).get("epochs")
+        if not steps or not epochs:
+            return None
+        return max(0, steps * epochs - self._step)
+
+    def _pick(self, fitting: list, say: bool = True) -> int:
+        """Of the sizes predicted to fit (largest first): the largest, unless its
+        new slice shapes' one-off cost (autotuning, measured by the probes) is
+        more than it saves over the rest of the fit, against the largest size
+        whose shapes have all run. Unknown fit length: the largest."""
+        best = fitting[0]
+        if self._slice_seconds is None or self._shape_seconds < _MIN_SHAPE_SECONDS:
+            return best
+        known = [r for r in fitting if _shapes(self._rows, r) <= self._seen]
+        remaining = self._remaining_steps()
+        if not known or known[0] == best or remaining is None:
+            return best
+        new_shapes = len(_shapes(self._rows, best) - self._seen)
+        cost = self._shape_seconds * new_shapes
+        gain = remaining * (self._step_seconds(known[0]) - self._step_seconds(best))
+        if gain > cost:
+            return best
+        if say:
+            text = (
+                f"AdaptiveBatchSize: micro-batch {known[0]} rather than {best}: its "
+                f"{new_shapes} new slice shape(s) would cost ~{cost:.1f} s of autotuning "
+                f"and save ~{max(gain, 0.0):.1f} s over the remaining {remaining} steps"
+            )
+            _log.info(text)
+            if self.verbose:
+                io_utils.print_msg(text)
+        return known[0]
 
     def _predict(self, size: int, start: int) -> int | None:
         if self._per_row is None:

@@ -320,6 +320,54 @@ def test_a_peak_a_little_over_the_target_keeps_the_size(monkeypatch, limit, kind
         assert net.micro_batch_size == 48
 
 
+class FakeClock:
+    """Probe timings: a slice shape's first run costs `shape_seconds`, a slice of
+    m rows 0.05 + m / 60 seconds."""
+
+    def __init__(self, monkeypatch, shape_seconds):
+        self.now, self.seen, self.shape_seconds = 0.0, set(), shape_seconds
+        original = _train_function.TrainFunction._probe
+
+        def probe(train_function, function, data, size, rows_used):
+            ok = original(train_function, function, data, size, rows_used)
+            if size not in self.seen:
+                self.seen.add(size)
+                self.now += self.shape_seconds
+            self.now += (rows_used // size) * (0.05 + size / 60)
+            return ok
+
+        monkeypatch.setattr(_train_function.TrainFunction, "_probe", probe)
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize(
+    "shape_seconds, repeats, expected",
+    [
+        # 48 (two slices) would save 11 * (16 * 0.15 - 2 * 0.85) = 7.7 s over the
+        # remaining 11 steps, less than its new shape's 30 s: 6 (probed, 16 slices).
+        (30.0, 12, 6),
+        # Same, 99 steps left: 69 s saved > 30 s: the largest size that fits.
+        (30.0, 100, 48),
+        # New shapes costing under a second are not weighed: the largest.
+        (0.5, 12, 48),
+    ],
+)
+def test_new_slice_shapes_are_taken_only_when_they_pay_for_their_autotuning(
+    monkeypatch, shape_seconds, repeats, expected
+):
+    net = network()
+    FakeMemory(net, 1000, 10_000).install(monkeypatch)
+    clock = FakeClock(monkeypatch, shape_seconds)
+    controller = AdaptiveBatchSize(memory_limit=1_000_000, verbose=0)
+    controller._clock = clock
+    net.fit(dataset(N).repeat(repeats), epochs=1, verbose=0, callbacks=[controller])
+    assert [e.kind for e in controller.events] == ["probe", "probe", "start"]  # no growth later
+    assert net.micro_batch_size == expected
+    assert controller._shape_seconds == pytest.approx(shape_seconds)
+
+
 def test_hysteresis_no_change_for_less_than_ten_percent(monkeypatch):
     from kvram.callbacks import rungs
 
