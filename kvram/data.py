@@ -18,12 +18,14 @@ names inside the directory.
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import math
 import os
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from typing import Iterable, Mapping
 
@@ -145,13 +147,23 @@ def write_shards(
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.partial-", dir=parent)
+    lock = None
     try:
+        lock = _lock_staging(staging)
+        _clean_up_after_other_writers(directory, staging)
         index = _write_into(staging, batches, total, samples_per_shard, checksum, verbose)
         with open(os.path.join(staging, INDEX), "w") as handle:
             json.dump(index, handle, indent=1)
             handle.flush()
             os.fsync(handle.fileno())
+        os.remove(os.path.join(staging, _LOCK))  # still held (by its open handle) until the end
         if os.path.exists(directory):
+            if not overwrite:  # another writer finished first
+                raise FileExistsError(
+                    f"{directory} was written by another writer while this one wrote; "
+                    "pass overwrite=True to replace it. Received: directory="
+                    f"{directory!r}"
+                )
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
             os.replace(directory, os.path.join(old, "d"))
             os.replace(staging, directory)
@@ -161,9 +173,85 @@ def write_shards(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            lock.close()  # releases the lock
     with warnings.catch_warnings():  # the caller chose checksum=False; no warning here
         warnings.filterwarnings("ignore", message=".*have no checksum in the index")
         return ShardedDataset(directory)
+
+
+_LOCK = ".writing"
+# A temporary directory this old without a lock file is a dead writer's.
+_STALE_SECONDS = 60.0
+
+
+def _lock_staging(staging):
+    """Holds an exclusive lock on a file in the writer's temporary directory
+    while it writes (released by the OS if the process dies), so that other
+    writers can tell a live write from a killed one's leftovers."""
+    handle = open(os.path.join(staging, _LOCK), "w")
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): leftovers are kept, not cleaned up
+        return handle
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def _is_live(staging: str) -> bool:
+    """Whether a writer still holds `staging`'s lock (True when unsure)."""
+    path = os.path.join(staging, _LOCK)
+    try:
+        import fcntl
+    except ImportError:
+        return True
+    try:
+        handle = open(path)
+    except FileNotFoundError:  # being created now, or a dead writer's from before its lock
+        try:
+            return time.time() - os.path.getmtime(staging) < _STALE_SECONDS
+        except OSError:
+            return False
+    except OSError:
+        return True
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+def _clean_up_after_other_writers(directory: str, staging: str) -> None:
+    """Removes the temporary directories of writers to `directory` that were
+    killed; raises if another writer to `directory` is writing now."""
+    parent, name = os.path.split(directory)
+    for other in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.partial-*"))):
+        if other == staging or not os.path.isdir(other):
+            continue
+        if not _is_live(other):
+            shutil.rmtree(other, ignore_errors=True)  # a killed writer's shards
+        else:  # two writers starting together may both stop here: nothing is lost
+            pid = ""
+            try:
+                with open(os.path.join(other, _LOCK)) as handle:
+                    pid = handle.read().strip()
+            except OSError:
+                pass
+            raise FileExistsError(
+                f"Another writer{f' (process {pid})' if pid else ''} is writing {directory} "
+                f"now (its temporary directory: {other}). Two writers to one directory "
+                "would replace each other's shards: wait for it to finish, or write to "
+                f"another directory. Received: directory={directory!r}"
+            )
+    if os.path.isdir(directory):  # a killed overwrite's old copy, once the new one is in place
+        for old in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old-*")):
+            if not _is_live(old):
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_into(staging, batches, total, samples_per_shard, checksum, verbose) -> dict:
@@ -428,7 +516,14 @@ class ShardedDataset:
         ):
             raise ShardError(index_path, f"shard {number}, field {name!r}: file name {file_name!r} is not a plain name inside the directory")
         path = os.path.join(self.directory, file_name)
-        if os.path.islink(path) or not os.path.isfile(path):
+        if os.path.islink(path):
+            raise ShardError(
+                path,
+                f"a symbolic link (to {os.readlink(path)}); shards must be regular files "
+                "inside the directory, so that what is checked is what is read: copy the "
+                "file in, or write the shards again",
+            )
+        if not os.path.isfile(path):
             raise ShardError(path, "missing (listed in the index)" if not os.path.lexists(path) else "not a regular file")
         dtype, shape = self.fields[name]
         try:

@@ -121,6 +121,73 @@ def test_write_is_atomic(tmp_path):
     assert len(ShardedDataset(target)) == 10 and os.listdir(tmp_path) == ["atomic"]
 
 
+WRITER = """
+import sys, time
+import numpy as np
+from kvram.data import write_shards
+
+def batches():
+    yield np.zeros((100, 4), "float32")
+    open(sys.argv[2], "w").close()  # the first shard is written: tell the test
+    time.sleep(600)
+    yield np.zeros((100, 4), "float32")
+
+write_shards(batches(), sys.argv[1], samples_per_shard=50, verbose=0)
+"""
+
+
+def start_writer(tmp_path, target):
+    """A writer process stopped in the middle of its write (two shards written)."""
+    marker = tmp_path / "started"
+    process = subprocess.Popen([sys.executable, "-c", WRITER, str(target), str(marker)])
+    for _ in range(1200):
+        if marker.exists() or process.poll() is not None:
+            break
+        import time
+
+        time.sleep(0.1)
+    assert marker.exists(), "the writer process did not start writing"
+    marker.unlink()
+    return process
+
+
+def test_two_writers_and_a_killed_writer(tmp_path):
+    """A second writer to a directory being written is refused with a clear
+    error; a writer killed mid-write leaves nothing under the final name, and
+    the next write removes its temporary directory."""
+    target = tmp_path / "data"
+    process = start_writer(tmp_path, target)
+    try:
+        (partial,) = [p for p in os.listdir(tmp_path) if p.startswith(".data.partial-")]
+        with pytest.raises(FileExistsError) as error:
+            write_shards(np.ones((10, 4), "float32"), target, verbose=0)
+        assert str(error.value) == (
+            f"Another writer (process {process.pid}) is writing {target} now (its temporary "
+            f"directory: {tmp_path / partial}). Two writers to one directory would replace "
+            "each other's shards: wait for it to finish, or write to another directory. "
+            f"Received: directory={str(target)!r}"
+        )
+        assert sorted(os.listdir(tmp_path / partial)) == [".writing", "x-00000.npy", "x-00001.npy"]
+    finally:
+        process.kill()
+        process.wait()
+    assert not target.exists()  # killed mid-write: no directory under the final name
+    assert os.listdir(tmp_path) == [partial]  # its shards are left until the next write
+    write_shards(np.ones((10, 4), "float32"), target, verbose=0)
+    assert os.listdir(tmp_path) == ["data"] and len(ShardedDataset(target)) == 10
+    assert sorted(os.listdir(target)) == ["index.json", "x-00000.npy"]
+
+
+def test_a_dead_writers_directory_without_a_lock_is_removed_once_stale(tmp_path):
+    target = tmp_path / "data"
+    leftover = tmp_path / ".data.partial-dead"
+    leftover.mkdir()
+    (leftover / "x-00000.npy").write_bytes(b"half")
+    os.utime(leftover, (0, 0))  # older than a minute, no lock file: dead
+    write_shards(np.ones((10, 4), "float32"), target, verbose=0)
+    assert os.listdir(tmp_path) == ["data"]
+
+
 # Bad input: every error names the offending file, at open (or verify) time.
 
 
@@ -137,9 +204,11 @@ def test_truncated_shard(shards):
     path = os.path.join(shards.directory, "x-00002.npy")
     with open(path, "r+b") as handle:
         handle.truncate(os.path.getsize(path) - 8)
-    with pytest.raises(ShardError, match="truncated") as error:
+    with pytest.raises(ShardError) as error:
         ShardedDataset(shards.directory)
     assert error.value.path == path
+    size = os.path.getsize(path)
+    assert str(error.value) == f"{path}: {size} bytes on disk, {size + 8} expected: truncated or padded"
 
 
 @pytest.mark.parametrize(
@@ -157,6 +226,24 @@ def test_shard_of_wrong_dtype_shape_or_count(shards, replacement, text):
     with pytest.raises(ShardError, match=text) as error:
         ShardedDataset(shards.directory)
     assert error.value.path == path
+
+
+def test_symlinked_shard(shards, tmp_path):
+    path = os.path.join(shards.directory, "x-00001.npy")
+    elsewhere = str(tmp_path / "elsewhere.npy")
+    os.replace(path, elsewhere)
+    os.symlink(elsewhere, path)
+    with pytest.raises(ShardError) as error:
+        ShardedDataset(shards.directory)
+    assert str(error.value) == (
+        f"{path}: a symbolic link (to {elsewhere}); shards must be regular files inside "
+        "the directory, so that what is checked is what is read: copy the file in, or "
+        "write the shards again"
+    )
+    os.remove(path)
+    os.symlink(str(tmp_path / "nowhere.npy"), path)  # dangling
+    with pytest.raises(ShardError, match="a symbolic link"):
+        ShardedDataset(shards.directory)
 
 
 def test_missing_shard(shards):
