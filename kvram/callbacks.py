@@ -664,8 +664,10 @@ class MemoryLogger(keras.callbacks.Callback):
         if not isinstance(logdir, (str, os.PathLike)):
             raise TypeError(f"`logdir` must be a path. Received: logdir={logdir!r}")
         self.logdir = os.fspath(logdir)
+        _check_writable_directory(self.logdir)
         self.device = memory._device_name(device)
         self.plot = _checks.boolean("plot", plot)
+        self._write_error: OSError | None = None
         self.rows: list[dict] = []
         self._file = None
         self._writer = None
@@ -675,9 +677,17 @@ class MemoryLogger(keras.callbacks.Callback):
         self._started = 0.0
 
     def on_train_begin(self, logs=None):
-        os.makedirs(self.logdir, exist_ok=True)
+        _check_writable_directory(self.logdir)  # before any step: nothing is lost
+        try:
+            os.makedirs(self.logdir, exist_ok=True)
+            self._file = open(os.path.join(self.logdir, "memory.csv"), "w", newline="")
+        except OSError as error:
+            raise OSError(
+                f"MemoryLogger cannot write its logs to {self.logdir} ({error}). "
+                f"Received: logdir={self.logdir!r}"
+            ) from error
         self.rows = []
-        self._file = open(os.path.join(self.logdir, "memory.csv"), "w", newline="")
+        self._write_error = None
         self._writer = csv.DictWriter(self._file, fieldnames=self.COLUMNS)
         self._writer.writeheader()
         self._writer_tf = tf.summary.create_file_writer(self.logdir)
@@ -704,23 +714,42 @@ class MemoryLogger(keras.callbacks.Callback):
             "skipped_steps": logs.get("skipped_steps"),
         }
         self.rows.append(row)
-        self._writer.writerow(row)
-        self._file.flush()
-        with self._writer_tf.as_default(step=self._step):
-            _scalar_summary("memory/current_mib", row["current_bytes"] / _MIB)
-            _scalar_summary("memory/peak_mib", row["peak_bytes"] / _MIB)
-            for name in ("micro_batch_size", "loss", "loss_scale", "skipped_steps"):
-                if row[name] is not None:
-                    _scalar_summary(f"batch/{name}", float(row[name]))
         self._step += 1
+        if self._write_error is not None:
+            return
+        try:
+            self._writer.writerow(row)
+            self._file.flush()
+            with self._writer_tf.as_default(step=row["step"]):
+                _scalar_summary("memory/current_mib", row["current_bytes"] / _MIB)
+                _scalar_summary("memory/peak_mib", row["peak_bytes"] / _MIB)
+                for name in ("micro_batch_size", "loss", "loss_scale", "skipped_steps"):
+                    if row[name] is not None:
+                        _scalar_summary(f"batch/{name}", float(row[name]))
+        except OSError as error:  # a full disk must not stop training
+            self._write_error = error
+            warnings.warn(
+                f"MemoryLogger: writing to {self.logdir} failed at step {row['step']} "
+                f"({error}); training goes on, and the rows are kept in memory "
+                "(MemoryLogger.rows) but no longer written.",
+                stacklevel=2,
+            )
 
     def on_train_end(self, logs=None):
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass
             self._file = None
         if self._writer_tf is not None:
-            self._writer_tf.flush()
-            self._writer_tf.close()
+            try:
+                self._writer_tf.flush()
+                self._writer_tf.close()
+            except (OSError, tf.errors.OpError):
+                pass
+        if self._write_error is not None:
+            return  # warned already; the rows are in self.rows
         events = self._events()
         with open(os.path.join(self.logdir, "events.csv"), "w", newline="") as handle:
             fields = [f.name for f in dataclasses.fields(BatchEvent)]
@@ -789,6 +818,24 @@ def _scalar_summary(tag: str, value: float) -> None:
         plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
     )
     tf.summary.write(tag, tf.constant(value, tf.float32), metadata=metadata)
+
+
+def _check_writable_directory(path: str) -> None:
+    """Raises if `path` cannot be a directory this process writes to."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing == os.path.abspath(path) and not os.path.isdir(existing):
+        problem = "it is a file, not a directory"
+    elif not os.path.isdir(existing):
+        problem = f"{existing} is a file, so no directory can be made under it"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable by this process"
+    else:
+        return
+    raise ValueError(
+        f"MemoryLogger cannot write its logs to {path}: {problem}. Received: logdir={path!r}"
+    )
 
 
 def _scalar(value):

@@ -536,9 +536,64 @@ def test_memory_logger_writes_csv_tensorboard_and_png(tmp_path):
     assert png.std() > 0.01  # not a blank canvas
 
 
-def test_memory_logger_bad_logdir():
+def test_memory_logger_bad_logdir(tmp_path):
     with pytest.raises(TypeError, match="logdir=3"):
         MemoryLogger(3)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    with pytest.raises(ValueError) as error:
+        MemoryLogger(a_file)
+    assert str(error.value) == (
+        f"MemoryLogger cannot write its logs to {a_file}: it is a file, not a directory. "
+        f"Received: logdir={str(a_file)!r}"
+    )
+    under = a_file / "logs" / "run1"
+    with pytest.raises(ValueError) as error:
+        MemoryLogger(under)
+    assert str(error.value) == (
+        f"MemoryLogger cannot write its logs to {under}: {a_file} is a file, so no "
+        f"directory can be made under it. Received: logdir={str(under)!r}"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write to a read-only directory")
+def test_memory_logger_read_only_logdir(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match=f"{locked} is not writable by this process"):
+        MemoryLogger(locked / "logs")
+
+
+def test_memory_logger_write_failure_mid_fit_warns_and_training_goes_on(tmp_path):
+    class FullDisk:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    logger = MemoryLogger(tmp_path, device="CPU:0", plot=False)
+
+    class BreakTheDisk(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 2:
+                logger._file = FullDisk()
+                logger._writer = csv.DictWriter(logger._file, fieldnames=logger.COLUMNS)
+
+    net = network()
+    with pytest.warns(UserWarning) as warned:
+        net.fit(dataset(), epochs=1, verbose=0, callbacks=[BreakTheDisk(), logger])
+    texts = [str(w.message) for w in warned if "MemoryLogger" in str(w.message)]
+    assert texts == [
+        f"MemoryLogger: writing to {tmp_path} failed at step 2 ([Errno 28] No space left "
+        "on device); training goes on, and the rows are kept in memory (MemoryLogger.rows) "
+        "but no longer written."
+    ]
+    assert int(net.optimizer.iterations.numpy()) == N // 16 and len(logger.rows) == N // 16
+    assert (tmp_path / "memory.csv").read_text().count("\n") == 3  # header + steps 0 and 1
 
 
 def test_growth_stays_below_a_size_that_failed(monkeypatch):
