@@ -154,3 +154,38 @@ def test_mixed_precision_runs_in_float16():
     wrapped = Checkpoint(block)
     y = wrapped(tf.random.normal((4, 16)), training=True)
     assert y.dtype == tf.float16
+
+
+def two_in_two_out():
+    a, b = keras.Input((8,)), keras.Input((4,))
+    h = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([a, b]))
+    h = keras.layers.Dropout(0.3)(h)
+    return keras.Model([a, b], [keras.layers.Dense(3)(h), keras.layers.Dense(2)(h)])
+
+
+@pytest.mark.parametrize("mode", ["eager", "tf.function"])
+def test_a_block_with_several_inputs_and_outputs(mode):
+    """Checkpoint around a functional block of two inputs and two outputs (with
+    dropout): the same outputs and gradients as the block itself."""
+    rng = np.random.default_rng(0)
+    xs = [rng.random((5, 8), dtype="float32"), rng.random((5, 4), dtype="float32")]
+    results = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(1)
+        a, b = keras.Input((8,)), keras.Input((4,))
+        block = two_in_two_out()
+        first, second = (Checkpoint(block) if wrap else block)([a, b])
+        model = keras.Model([a, b], [first, second])
+
+        def step():
+            with tf.GradientTape() as tape:
+                outputs = model(xs, training=True)
+                loss = sum(tf.reduce_sum(o * o) for o in outputs)
+            return outputs, tape.gradient(loss, model.trainable_weights)
+
+        keras.utils.set_random_seed(7)  # the same dropout masks for both
+        outputs, grads = (tf.function(step) if mode == "tf.function" else step)()
+        assert len(outputs) == 2 and all(g is not None for g in grads)
+        results.append([o.numpy() for o in outputs] + [g.numpy() for g in grads])
+    for plain, checkpointed in zip(*results):
+        assert max_rel_diff(checkpointed, plain) < TOL
