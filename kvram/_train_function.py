@@ -187,15 +187,13 @@ class TrainFunction:
             if hasattr(f, "experimental_get_tracing_count")
         )
 
-    def _compiled(self, key, step, jit_compile=False, reduce_retracing=True):
+    def _compiled(self, key, step, jit_compile=False):
         """`step` as a cached `tf.function` (as is when the model runs eagerly)."""
         function = self._functions.get(key)
         if function is None:
             function = step
             if not self.model.run_eagerly:
-                function = tf.function(
-                    step, reduce_retracing=reduce_retracing, jit_compile=jit_compile
-                )
+                function = tf.function(step, reduce_retracing=True, jit_compile=jit_compile)
             self._functions[key] = function
         return function
 

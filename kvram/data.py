@@ -129,7 +129,10 @@ def write_shards(
 
     The write is atomic: shards and index go to a temporary directory next to
     `directory`, which is renamed into place only when complete, so a crash
-    leaves no index pointing at half-written shards.
+    leaves no index pointing at half-written shards. The writer holds a lock
+    in its temporary directory: a second writer to the same `directory` is
+    refused (`FileExistsError` naming the first), and a killed writer's
+    temporary directory is removed by the next write.
 
     Returns:
         The `ShardedDataset` opened on `directory`.
