@@ -164,7 +164,8 @@ def test_short_batch_and_bad_arguments():
         PipelineModel(stages, ["CPU:0"])
     with pytest.raises(ValueError, match="3 devices for 2 stages"):
         PipelineModel(stages, ["CPU:0", "CPU:1", "CPU:0"])
-    with pytest.raises(ValueError, match="Unknown device 'GPU:7'"):
+    with pytest.raises(ValueError, match=r"^Unknown device 'GPU:7'\. Logical devices here: \[.*\]\. \(Split one "
+                       r"physical device into several with tf\.config\.set_logical_device_configuration\.\)$"):
         PipelineModel(stages, ["CPU:0", "GPU:7"])
     with pytest.raises(ValueError, match="micro_batches=0"):
         PipelineModel(stages, ["CPU:0", "CPU:1"], micro_batches=0)
