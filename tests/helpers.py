@@ -23,3 +23,25 @@ def max_rel_diff(a, b, per_tensor: bool = True) -> float:
 
 def values(variables):
     return [np.array(tf.convert_to_tensor(v)) for v in variables]
+
+
+def gradients_failing_every(period: int, original):
+    """A stand-in for `TrainFunction._gradients` (`original`): the compiled
+    gradient pass runs, writing its state, then calls 1, 1 + period, 1 + 2 *
+    period, ... raise an injected out-of-memory error, as TF does on the GPU
+    (on the CPU a real one takes minutes to surface)."""
+    calls = {"n": 0}
+
+    def failing_gradients(self):
+        function = original(self)
+
+        def run(data, micro_batch_size):
+            out = function(data, micro_batch_size)
+            calls["n"] += 1
+            if calls["n"] % period == 1:
+                raise tf.errors.ResourceExhaustedError(None, None, "OOM (injected after the pass)")
+            return out
+
+        return run
+
+    return failing_gradients

@@ -10,7 +10,7 @@ import tensorflow as tf
 import kvram
 from kvram import _train_function
 from kvram.callbacks import AdaptiveBatchSize, MemoryLogger, find_max_batch_size
-from tests.helpers import max_rel_diff
+from tests.helpers import gradients_failing_every, max_rel_diff
 
 TOL = 1e-5
 N = 96  # samples
@@ -162,38 +162,11 @@ def test_a_hundred_ooms_in_one_fit():
 def test_recovery_from_a_compiled_step_restores_graph_written_state(monkeypatch):
     """OOMs raised after the compiled gradient pass ran (and wrote BN statistics,
     the sample counter and metrics in graph mode): all of it is put back."""
-    calls = {"n": 0}
-    original = _train_function.TrainFunction._gradients
-
-    def failing_gradients(self):
-        function = original(self)
-
-        def run(data, micro_batch_size):
-            out = function(data, micro_batch_size)
-            calls["n"] += 1
-            if calls["n"] % 3 == 1:
-                raise tf.errors.ResourceExhaustedError(None, None, "OOM (injected after the pass)")
-            return out
-
-        return run
-
-    def with_bn(oom=None):
-        keras.utils.set_random_seed(5)
-        features = keras.Input((8,))
-        ids = keras.Input((1,))
-        count = CountSamples(N, name="count")(ids)
-        x = keras.layers.Dense(16)(features)
-        x = keras.layers.BatchNormalization()(x)
-        x = keras.layers.Dropout(0.3)(x)
-        x = keras.layers.Dense(3)(x)
-        net = kvram.Model([features, ids], keras.layers.Add()([x, 0.0 * count]))
-        net.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
-        return net
-
-    plain = with_bn()
+    plain = bn_network(momentum=0.0)
     h_plain = plain.fit(dataset(), epochs=2, verbose=0)
-    net = with_bn()
-    monkeypatch.setattr(_train_function.TrainFunction, "_gradients", failing_gradients)
+    net = bn_network(momentum=0.0)
+    failing = gradients_failing_every(3, _train_function.TrainFunction._gradients)
+    monkeypatch.setattr(_train_function.TrainFunction, "_gradients", failing)
     # micro-batch stays at the batch: min_micro_batch = 16 retries in place.
     controller = AdaptiveBatchSize(min_micro_batch=16, verbose=0, device="CPU:0")
     history = net.fit(dataset(), epochs=2, verbose=0, callbacks=[controller])
@@ -621,7 +594,7 @@ def test_growth_stays_below_a_size_that_failed(monkeypatch):
     assert fresh.recover(net, RuntimeError("oom"), 96, 96, 0.0) == 48
 
 
-def bn_network(micro_batch_size=None):
+def bn_network(micro_batch_size=None, momentum=0.9):
     """Dense + BatchNormalization + Dropout: state that a probe or a failed step writes."""
     keras.utils.set_random_seed(5)
     features = keras.Input((8,))
@@ -633,7 +606,7 @@ def bn_network(micro_batch_size=None):
     x = keras.layers.Dense(3)(x)
     net = kvram.Model([features, ids], keras.layers.Add()([x, 0.0 * count]),
                       micro_batch_size=micro_batch_size)
-    net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"])
+    net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=momentum), loss="mse", metrics=["mae"])
     return net
 
 

@@ -13,6 +13,7 @@ import tensorflow as tf
 import kvram
 from kvram import _train_function
 from kvram.callbacks import AdaptiveBatchSize
+from tests.helpers import gradients_failing_every
 
 N, BATCH = 96, 16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,22 +47,9 @@ def rss_bytes() -> int:
 
 def soak() -> dict:
     """300 steps, every 4th gradient pass raising OOM after it ran; memory marks."""
-    calls = {"n": 0}
-    original = _train_function.TrainFunction._gradients
-
-    def failing_gradients(self):
-        function = original(self)
-
-        def run(data, micro_batch_size):
-            out = function(data, micro_batch_size)  # the pass ran, its outputs held
-            calls["n"] += 1
-            if calls["n"] % 4 == 1:
-                raise tf.errors.ResourceExhaustedError(None, None, "OOM (injected after the pass)")
-            return out
-
-        return run
-
-    _train_function.TrainFunction._gradients = failing_gradients
+    _train_function.TrainFunction._gradients = gradients_failing_every(
+        4, _train_function.TrainFunction._gradients
+    )
     marks = []
 
     class Watch(keras.callbacks.Callback):
