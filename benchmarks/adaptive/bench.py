@@ -76,6 +76,68 @@ def batch_of(tf, shape, classes, rows):
     return x, y
 
 
+def fits_by_hand(tf, model, batch, probes):
+    """`rows -> bool`: whether two plain `train_on_batch` steps of `batch(rows)`
+    fit (the second has the optimizer state too); every try goes to `probes`."""
+    from kvram._train_function import is_out_of_memory
+
+    def fits(rows):
+        started = time.perf_counter()
+        x, y = batch(rows)
+        try:
+            for _ in range(2):
+                float(model.train_on_batch(x, y))
+            ok, error = True, None
+        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            ok, error = False, str(exc).strip().splitlines()[0][:160]
+        del x, y
+        probes.append({"rows": rows, "fits": ok, "seconds": time.perf_counter() - started,
+                       "error": error})
+        print(f"by_hand: {rows} {'fits' if ok else 'OOM'} ({probes[-1]['seconds']:.1f} s)", flush=True)
+        return ok
+
+    return fits
+
+
+def bisect(fits, good, bad, precision):
+    """(largest size that fits, smallest that does not), `bad - good <= precision`."""
+    while bad - good > precision:
+        middle = (good + bad) // 2
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good, bad
+
+
+def run_part(command, log_path, timeout, echo, env=None):
+    """Runs one part in a process of its own, its output to `log_path`; echoes
+    the lines starting with `echo`. Returns (its RESULT record, or an error
+    record with the log's tail; wall seconds)."""
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  timeout=timeout)
+            returncode = done.returncode
+        except subprocess.TimeoutExpired:
+            returncode = None
+    with open(log_path) as log:
+        lines = log.read().splitlines()
+    for line in lines:
+        if line.startswith(echo):
+            print(line, flush=True)
+    results = [line for line in lines if line.startswith("RESULT ")]
+    if results:
+        record = json.loads(results[-1][len("RESULT "):])
+    else:
+        why = f"timed out after {timeout} s" if returncode is None else f"exit {returncode}"
+        record = {"error": why, "log_tail": lines[-30:]}
+    return record, time.perf_counter() - started
+
+
 class StepClock:
     """Per-step end times; each step's loss is read back, so the step is done."""
 
@@ -99,27 +161,10 @@ class StepClock:
 
 def part_by_hand(args):
     tf, keras, shape, classes = setup(args.limit_gib, args.smoke)
-    from kvram._train_function import is_out_of_memory
     model = resnet(keras, shape, classes, kvram_model=False)
     compile_model(keras, model)
     probes = []
-
-    def fits(rows):
-        started = time.perf_counter()
-        x, y = batch_of(tf, shape, classes, rows)
-        try:
-            for _ in range(2):  # the second step has the optimizer state too
-                model.train_on_batch(x, y)
-            ok, error = True, None
-        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as exc:
-            if not is_out_of_memory(exc):
-                raise
-            ok, error = False, str(exc).strip().splitlines()[0][:160]
-        del x, y
-        probes.append({"rows": rows, "fits": ok, "seconds": time.perf_counter() - started,
-                       "error": error})
-        print(f"by_hand: {rows} {'fits' if ok else 'OOM'}", flush=True)
-        return ok
+    fits = fits_by_hand(tf, model, lambda rows: batch_of(tf, shape, classes, rows), probes)
 
     good, bad = args.low, None
     size = args.low
@@ -130,12 +175,7 @@ def part_by_hand(args):
             good, size = size, size * 2
         else:
             bad = size
-    while bad - good > args.precision:
-        middle = (good + bad) // 2
-        if fits(middle):
-            good = middle
-        else:
-            bad = middle
+    good, bad = bisect(fits, good, bad, args.precision)
     return {"true_max_rows": good, "smallest_failing_rows": bad, "precision_rows": args.precision,
             "probes": probes}
 
@@ -294,31 +334,14 @@ def main(argv=None):
                 continue
             command += ["--rows", str(rows)]
         print(f"== {part}: {' '.join(command[1:])}", flush=True)
-        started = time.perf_counter()
         env = dict(os.environ)
         if part == "adaptive_async":
             env["TF_GPU_ALLOCATOR"] = "cuda_malloc_async"
-        log_path = f"{os.path.splitext(args.out)[0]}_{key}.log"
-        with open(log_path, "w") as log:
-            try:
-                done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                      timeout=args.timeout)
-                returncode = done.returncode
-            except subprocess.TimeoutExpired:
-                returncode = None
-        with open(log_path) as log:
-            lines = log.read().splitlines()
-        results_lines = [l for l in lines if l.startswith("RESULT ")]
-        for line in lines:
-            if line.startswith(("AdaptiveBatchSize", "find_max", "by_hand")):
-                print(line, flush=True)
-        if results_lines:
-            record = json.loads(results_lines[-1][len("RESULT "):])
-        elif returncode is None:
-            record = {"error": f"timed out after {args.timeout} s", "log_tail": lines[-30:]}
-        else:
-            record = {"error": f"exit {returncode}", "log_tail": lines[-30:]}
-        record["wall_seconds"] = time.perf_counter() - started
+        record, seconds = run_part(
+            command, f"{os.path.splitext(args.out)[0]}_{key}.log", args.timeout,
+            ("AdaptiveBatchSize", "find_max", "by_hand"), env,
+        )
+        record["wall_seconds"] = seconds
         record["commit"] = _commit()
         results[key] = record
         print(json.dumps({k: v for k, v in record.items() if k not in ("probes", "events")}),

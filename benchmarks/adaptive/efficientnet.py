@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench import ROOT, _commit, environment  # noqa: E402
+from bench import (  # noqa: E402
+    ROOT, _commit, bisect, compile_model, environment, fits_by_hand, run_part,
+)
 
 PARTS = ("by_hand", "adaptive", "fixed_steps", "fixed_images", "micro")
 
@@ -65,11 +65,6 @@ def build(keras, shape, classes, kvram_model):
     import kvram
 
     return kvram.Model(base.inputs, base.outputs, name="efficientnetv2s_kvram")
-
-
-def compile_model(keras, model):
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss="sparse_categorical_crossentropy", jit_compile=False)
 
 
 def batch_of(tf, shape, classes, rows):
@@ -112,38 +107,13 @@ def timed_fit(tf, model, data, callbacks=()):
 
 def part_by_hand(args):
     tf, keras, shape, classes = setup(args)
-    from kvram._train_function import is_out_of_memory
-
     model = build(keras, shape, classes, kvram_model=False)
     compile_model(keras, model)
     probes = []
-
-    def fits(rows):
-        started = time.perf_counter()
-        x, y = batch_of(tf, shape, classes, rows)
-        try:
-            for _ in range(2):  # the second step has the optimizer state too
-                float(model.train_on_batch(x, y))
-            ok, error = True, None
-        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as exc:
-            if not is_out_of_memory(exc):
-                raise
-            ok, error = False, str(exc).strip().splitlines()[0][:160]
-        del x, y
-        probes.append({"rows": rows, "fits": ok, "seconds": time.perf_counter() - started,
-                       "error": error})
-        print(f"by_hand: {rows} {'fits' if ok else 'OOM'} ({probes[-1]['seconds']:.1f} s)", flush=True)
-        return ok
-
-    good, bad = args.lo, args.hi
-    if not fits(good):
-        return {"true_max_rows": None, "note": f"--lo {good} does not fit", "probes": probes}
-    while bad - good > args.precision:
-        middle = (good + bad) // 2
-        if fits(middle):
-            good = middle
-        else:
-            bad = middle
+    fits = fits_by_hand(tf, model, lambda rows: batch_of(tf, shape, classes, rows), probes)
+    if not fits(args.lo):
+        return {"true_max_rows": None, "note": f"--lo {args.lo} does not fit", "probes": probes}
+    good, bad = bisect(fits, args.lo, args.hi, args.precision)
     return {"true_max_rows": good, "smallest_failing_rows": bad, "precision_rows": args.precision,
             "assumed_failing": args.hi, "probes": probes}
 
@@ -336,27 +306,9 @@ def main(argv=None):
                 continue
             command += ["--rows", str(rows)]
         print(f"== {part}: {' '.join(command[2:])}", flush=True)
-        started = time.perf_counter()
-        log_path = f"{os.path.splitext(args.out)[0]}_{key}.log"
-        with open(log_path, "w") as log:
-            try:
-                done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=args.timeout)
-                returncode = done.returncode
-            except subprocess.TimeoutExpired:
-                returncode = None
-        with open(log_path) as log:
-            lines = log.read().splitlines()
-        for line in lines:
-            if line.startswith(("AdaptiveBatchSize", "by_hand")):
-                print(line, flush=True)
-        results = [line for line in lines if line.startswith("RESULT ")]
-        if results:
-            record = json.loads(results[-1][len("RESULT "):])
-        else:
-            why = f"timed out after {args.timeout} s" if returncode is None else f"exit {returncode}"
-            record = {"error": why, "log_tail": lines[-30:]}
-        record["process_seconds"] = time.perf_counter() - started
+        record, seconds = run_part(command, f"{os.path.splitext(args.out)[0]}_{key}.log",
+                                   args.timeout, ("AdaptiveBatchSize", "by_hand"))
+        record["process_seconds"] = seconds
         record["commit"] = _commit()
         parts[key] = record
         print(json.dumps({k: v for k, v in record.items()
