@@ -121,12 +121,12 @@ class TrainFunction:
                 "kvram.callbacks.find_max_batch_size on one device)."
             )
         rows = _local_rows(data)
+        function = self.gradients_function(data)  # one trace, for every size and batch
 
         def probe(size: int, rows_used: int) -> bool:
-            return self._probe(self.gradients_function(data), data, size, rows_used)
+            return self._probe(function, data, size, rows_used)
 
         micro_batch_size = controller.begin_step(model, rows, probe, _nbytes(data))
-        function = self.gradients_function(data)  # one trace, for every size and batch
         while True:
             args = (data, tf.constant(micro_batch_size, tf.int32))
             saved = self._snapshot()

@@ -382,14 +382,14 @@ class Model(keras.Model):
             present[:] = [g is not None for g in gradients]
             return [s if g is None else s + _dense(g) for s, g in zip(sums, gradients)]
 
-        def loop(count, take, step):
-            """Sums over `count` slices; `take(i)` is slice i, of `step` rows."""
+        def loop(count, take):
+            """Sums over `count` slices; `take(i)` is (slice i, its rows)."""
             zeros = [tf.zeros(tuple(w.shape), dtype=w.dtype) for w in weights]
             if isinstance(count, int) and count == 0:
                 return zeros
             _, sums = tf.while_loop(
                 lambda i, _: i < count,
-                lambda i, sums: (i + 1, add_slice(sums, take(i), step)),
+                lambda i, sums: (i + 1, add_slice(sums, *take(i))),
                 (tf.constant(0), zeros),
                 parallel_iterations=1,  # one slice in memory at a time
             )
@@ -404,30 +404,19 @@ class Model(keras.Model):
                 return None if t is None else tf.reshape(t[: full * m], [full, m] + t.shape[1:].as_list())
 
             folded = tree.map_structure(fold, data)
-            sums = loop(full, lambda i: tree.map_structure(lambda t: None if t is None else t[i], folded), m)
+            sums = loop(full, lambda i: (tree.map_structure(lambda t: None if t is None else t[i], folded), m))
             if rest:
                 last = tree.map_structure(lambda t: None if t is None else t[full * m :], data)
                 sums = add_slice(sums, last, rest)
         else:
             m = tf.cast(micro_batch_size, rows.dtype)
-            count = (rows + m - 1) // m
 
             def take(i):
                 start = tf.cast(i, rows.dtype) * m
                 size = tf.minimum(m, rows - start)
-                return tree.map_structure(lambda t: None if t is None else t[start : start + size], data)
+                return tree.map_structure(lambda t: None if t is None else t[start : start + size], data), size
 
-            def dynamic_step(sums, i):
-                start = tf.cast(i, rows.dtype) * m
-                return add_slice(sums, take(i), tf.minimum(m, rows - start))
-
-            zeros = [tf.zeros(tuple(w.shape), dtype=w.dtype) for w in weights]
-            _, sums = tf.while_loop(
-                lambda i, _: i < tf.cast(count, tf.int32),
-                lambda i, sums: (i + 1, dynamic_step(sums, i)),
-                (tf.constant(0), zeros),
-                parallel_iterations=1,
-            )
+            sums = loop(tf.cast((rows + m - 1) // m, tf.int32), take)
         return [s if p else None for s, p in zip(sums, present)]
 
     def _slice_function(self):
