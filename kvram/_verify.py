@@ -46,7 +46,7 @@ def forget_checked() -> None:
 
 def sha256(path: str, progress=None) -> str:
     """The SHA-256 of a file (hex)."""
-    return _digest(path, hashlib.sha256(), progress)
+    return _digest(path, [hashlib.sha256()], progress)[0]
 
 
 def xxh3_128(path: str, progress=None) -> str:
@@ -54,7 +54,7 @@ def xxh3_128(path: str, progress=None) -> str:
     that checking shards as they are first read costs little."""
     import xxhash
 
-    return _digest(path, xxhash.xxh3_128(), progress)
+    return _digest(path, [xxhash.xxh3_128()], progress)[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,16 +67,20 @@ def have_xxhash() -> bool:
 
 
 def file_digests(path: str) -> dict:
-    """{"sha256": ..., "xxh3_128": ...} of a file (xxh3_128 only with xxhash)."""
-    digests = {"sha256": sha256(path)}
+    """{"sha256": ..., "xxh3_128": ...} of a file (xxh3_128 only with xxhash),
+    from one read of it."""
+    kinds = {"sha256": hashlib.sha256()}
     if have_xxhash():
-        digests["xxh3_128"] = xxh3_128(path)
-    return digests
+        import xxhash
+
+        kinds["xxh3_128"] = xxhash.xxh3_128()
+    return dict(zip(kinds, _digest(path, list(kinds.values()))))
 
 
-def _digest(path: str, digest, progress=None) -> str:
-    """Feeds a file to `digest` through a read-only memory map, in chunks (no
-    copy into Python buffers; hashlib and xxhash release the GIL meanwhile)."""
+def _digest(path: str, digests: list, progress=None) -> list:
+    """Feeds a file to each of `digests` through a read-only memory map, in
+    chunks (no copy into Python buffers; hashlib and xxhash release the GIL
+    meanwhile); their hex digests."""
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         if size:
@@ -84,10 +88,11 @@ def _digest(path: str, digest, progress=None) -> str:
                 with memoryview(mapped) as view:
                     for offset in range(0, size, _CHUNK):
                         with view[offset : offset + _CHUNK] as chunk:
-                            digest.update(chunk)
+                            for digest in digests:
+                                digest.update(chunk)
                         if progress is not None:
                             progress(min(_CHUNK, size - offset))
-    return digest.hexdigest()
+    return [digest.hexdigest() for digest in digests]
 
 
 def _key(path: str, expected: str):
