@@ -122,9 +122,9 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
       between `target_utilization * limit` and the limit, the micro-batch
       shrinks to the largest size predicted to peak under the target (a peak a
       little over the target keeps the size: each new size costs cuDNN's
-      autotuning of its slices); below the target, it grows to the largest size predicted to fit, at most
-      doubling, below any size that failed, and only for a gain of at least 10%
-      (hysteresis: no change for a few rows). Predictions are linear in the
+      autotuning of its slices); below the target, it grows to the largest
+      size predicted to fit, at most doubling, below any size that failed, and
+      only for a gain of at least 10% (hysteresis: no change for a few rows). Predictions are linear in the
       micro-batch, with the probes' slope and each step's measured peak. The
       limit is `memory_limit`, else the logical GPU's `memory_limit`, else the
       GPU's total memory (NVML); on a CPU without `memory_limit` there is no
@@ -345,7 +345,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
                     self.oom_count += 1
                     self._ceiling = size
                     new = self._at_most(rows, size // 2)
-                    self._change("oom", size, new, seconds_to_error=time.perf_counter() - started)
+                    self._change("oom", size, new, seconds_to_error=self._clock() - started)
                     return new, None
             used[size] = peak - start
             self._change("probe", None, size, peak_bytes=peak, quiet=True)
