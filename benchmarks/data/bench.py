@@ -92,7 +92,7 @@ def io(args):
             consume(data.read(start, min(start + batch, rows), [field])[field])
 
     def kvram_pipeline(shuffle, verify=True):
-        """A fresh dataset; with `verify`, every shard's SHA-256 is checked on its
+        """A fresh dataset; with `verify`, every shard's checksum (XXH3-128) is checked on its
         first read (this process forgets earlier checks first): a first epoch,
         the check's worst case."""
         def run():
