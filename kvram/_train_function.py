@@ -113,7 +113,7 @@ class TrainFunction:
         self.build(data)
         controller = model._batch_controller
         if controller is None:
-            return self._fused(model.micro_batch_size)(data)
+            return self._fused(model.micro_batch_size, data)(data)
         if getattr(model, "_distribute_strategy", None) is not None:
             raise NotImplementedError(
                 "AdaptiveBatchSize under a tf.distribute strategy is not supported yet: "
@@ -197,8 +197,16 @@ class TrainFunction:
             self._functions[key] = function
         return function
 
-    def _fused(self, micro_batch_size):
-        """Gradients and update in one compiled step (no recovery needed)."""
+    def _fused(self, micro_batch_size, data=None):
+        """Gradients and update in one compiled step (no recovery needed).
+
+        With `jit_compile`, the whole step (the loop over slices, the sums,
+        the update) is one XLA computation, compiled once per batch shape, as
+        Keras compiles its own step, instead of compiling only each slice's
+        forward and backward and leaving the loop, the gradient sums and the
+        optimizer to TensorFlow's graph executor (see benchmarks/README.md,
+        micro-batching).
+        """
         model = self.model
         strategy = model.distribute_strategy
 
@@ -206,6 +214,18 @@ class TrainFunction:
             logs = strategy.run(model.train_step, args=(data,))
             return reduce_per_replica(logs, strategy, reduction="auto")
 
+        if (
+            model.jit_compile
+            and getattr(model, "_kvram_xla_micro_step", True)
+            and not model.run_eagerly
+            and data is not None
+            and all(t.shape.is_fully_defined() for t in tree.flatten(data) if t is not None)
+        ):
+            key = ("fused_xla", micro_batch_size)
+            if key not in self._functions:
+                # One trace per batch shape: XLA needs static slice shapes.
+                self._functions[key] = tf.function(step, jit_compile=True)
+            return self._functions[key]
         return self._compiled(("fused", micro_batch_size), step)
 
     def _replica_gradients(self, data, micro_batch_size):

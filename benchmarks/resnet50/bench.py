@@ -37,6 +37,7 @@ CONFIGS = {
     "kvram_bf16_ckpt_nojit": ("tf", dict(policy="mixed_bfloat16", model="kvram", jit=False)),
     "torch_fp16": ("torch", dict(segments=0)),
     "torch_fp16_ckpt4": ("torch", dict(segments=4)),
+    "torch_fp16_ckpt4_inplace": ("torch", dict(segments=4, inplace=True)),
 }
 
 
@@ -83,9 +84,16 @@ def run_torch(settings, batch, steps, warmup, device):
 
     torch.backends.cudnn.benchmark = True
     model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    if settings.get("inplace"):
+        # The recipe: the 16 bottleneck blocks as separate modules, so
+        # that every segment boundary falls between blocks, and torchvision's
+        # in-place ReLUs kept.
+        stages = [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4)
+                  for block in layer]
+    else:
+        stages = [model.layer1, model.layer2, model.layer3, model.layer4]
     seq = torch.nn.Sequential(
-        model.conv1, model.bn1, model.relu, model.maxpool,
-        model.layer1, model.layer2, model.layer3, model.layer4,
+        model.conv1, model.bn1, model.relu, model.maxpool, *stages,
         model.avgpool, torch.nn.Flatten(), model.fc,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -94,7 +102,7 @@ def run_torch(settings, batch, steps, warmup, device):
     x = torch.rand(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device="cuda")
     segments = settings["segments"]
-    if segments:
+    if segments and not settings.get("inplace"):
         # torchvision's in-place ReLUs overwrite tensors that checkpoint_sequential
         # keeps as segment inputs; autograd refuses that, so they go out of place.
         for module in model.modules():

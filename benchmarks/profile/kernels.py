@@ -1,0 +1,166 @@
+"""Reading GPU kernel timelines (TensorFlow's XSpace, PyTorch's Chrome trace) and
+sorting each kernel into a kind of work.
+
+Both frameworks end up in the same record: a list of `(name, start_us, dur_us,
+stream, op)` where `op` is the framework's own op name for the kernel where the
+profiler knows it (TF: `tf_op`, or the XLA instruction `hlo_op`; PyTorch: the
+enclosing aten op is not kept). `breakdown()` sums them by kind and measures how
+long the GPU sat idle inside the profiled window (host gaps).
+"""
+
+from __future__ import annotations
+
+import re
+
+# Kinds, in the order they are tried. A kernel goes to the first kind whose
+# pattern matches its name, or, for XLA fusions and TF ops whose kernel names
+# say nothing, its op name (see `kind_of`).
+KINDS = (
+    ("conv_backward_filter", r"wgrad|bwd_filter|backward_filter|convolve_dw|conv2d_grad_filter|BackpropFilter"),
+    ("conv_backward_data", r"dgrad|bwd_data|backward_data|convolve_dx|conv2d_grad_input|BackpropInput"),
+    ("conv_forward", r"fprop|fwd_|implicit_convolve|conv2d_c1_k1|winograd|convolve_sgemm|cudnn.*conv|Conv2D"),
+    ("matmul", r"gemm|cublas|cutlass|matmul|MatMul|nvjet"),
+    ("layout_transpose", r"nchwToNhwc|nhwcToNchw|[Tt]ranspose|SwapDimension|permute|copy_.*channels"),
+    ("batch_norm", r"bn_fw|bn_bw|batch_norm|batchnorm|BatchNorm|bn_.*kernel|welford|cudnn::bn"),
+    ("pooling", r"pool|Pool"),
+    ("memcpy_h2d", r"Memcpy ?HtoD|MemcpyH2D|Memcpy HtoD"),
+    ("memcpy_d2h", r"Memcpy ?DtoH|MemcpyD2H|Memcpy DtoH"),
+    ("memcpy_d2d", r"Memcpy ?DtoD|MemcpyD2D|Memcpy DtoD|Memset|memset|Memcpy"),
+)
+
+# For kernels whose names say little (XLA's `loop_fusion_12`, Eigen's
+# element-wise kernels), the op they belong to decides.
+OP_KINDS = (
+    ("loss_scaling", r"LossScale|loss_scale|all_finite|is_finite|IsFinite|non_finite|unscale|_amp_"),
+    ("optimizer_update", r"SGD|sgd|[Mm]omentum|[Aa]dam|optimizer|ResourceApply|multi_tensor_apply|AssignAdd|AssignSub"),
+    ("batch_norm", r"_bn/|_bn$|batch_normalization|BatchNorm|batchnorm|moments|FusedBatchNorm|native_batch_norm|/bn\d"),
+    ("conv_backward_filter", r"Conv2DBackpropFilter|convolution_backward.*weight"),
+    ("conv_backward_data", r"Conv2DBackpropInput"),
+    ("conv_forward", r"Conv2D|cudnn-conv|convolution"),
+    ("layout_transpose", r"[Tt]ranspose"),
+    ("pooling", r"[Pp]ool"),
+    ("loss", r"[Ss]oftmax|cross_?entropy|[Ll]oss|log_softmax|nll"),
+)
+
+_NAME_RULES = [(kind, re.compile(pattern)) for kind, pattern in KINDS]
+_OP_RULES = [(kind, re.compile(pattern)) for kind, pattern in OP_KINDS]
+_REDUCTION = re.compile(r"reduce|reduction|Reduce|Sum|Mean|Max|welford")
+
+
+def kind_of(name: str, op: str = "") -> str:
+    """The kind of work of one kernel, from its name and (when known) its op."""
+    for kind, rule in _NAME_RULES:
+        if rule.search(name):
+            return kind
+    for kind, rule in _OP_RULES:
+        if op and rule.search(op):
+            return kind
+    if _REDUCTION.search(name):
+        return "reduction_other"
+    return "elementwise_other"
+
+
+def union_seconds(intervals) -> float:
+    """Length of the union of `(start, end)` intervals."""
+    total, end_so_far = 0.0, None
+    for start, end in sorted(intervals):
+        if end_so_far is None or start > end_so_far:
+            total += end - start
+            end_so_far = end
+        elif end > end_so_far:
+            total += end - end_so_far
+            end_so_far = end
+    return total
+
+
+def breakdown(kernels, steps: int, op_kinds=None) -> dict:
+    """Per-step milliseconds by kind, kernel counts, GPU busy time and idle gaps.
+
+    `kernels`: `(name, start_us, dur_us, stream, op)` records covering `steps`
+    training steps. Kernels overlapping on several streams are each counted in
+    their kind (so kinds may add up to more than the busy time); `busy_ms` is the
+    union, and `idle_ms` the time inside the window when no kernel ran (launch
+    latency, host work, synchronisation).
+    `op_kinds`: optional {op name: kind} that overrides `kind_of` (from an HLO dump).
+    """
+    by_kind: dict[str, list] = {}
+    by_name: dict[str, list] = {}
+    intervals = []
+    for name, start, dur, _stream, op in kernels:
+        kind = (op_kinds or {}).get(op) or kind_of(name, op)
+        entry = by_kind.setdefault(kind, [0.0, 0])
+        entry[0] += dur
+        entry[1] += 1
+        key = by_name.setdefault(name, [0.0, 0, kind, op])
+        key[0] += dur
+        key[1] += 1
+        intervals.append((start, start + dur))
+    if not intervals:
+        return {"kernels": 0}
+    window = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    busy = union_seconds(intervals)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]
+    return {
+        "steps": steps,
+        "kernels_per_step": len(intervals) / steps,
+        "window_ms_per_step": window / steps / 1e3,
+        "busy_ms_per_step": busy / steps / 1e3,
+        "idle_ms_per_step": (window - busy) / steps / 1e3,
+        "kinds_ms_per_step": {
+            k: round(v[0] / steps / 1e3, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1][0])
+        },
+        "kinds_kernels_per_step": {k: v[1] / steps for k, v in by_kind.items()},
+        "top_kernels": [
+            {"name": n[:200], "op": v[3][:200], "kind": v[2], "ms_per_step": v[0] / steps / 1e3,
+             "calls_per_step": v[1] / steps}
+            for n, v in top
+        ],
+    }
+
+
+def xspace_kernels(path: str):
+    """Kernel and memcpy records from a TensorFlow profiler `*.xplane.pb` file."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    records = []
+    for plane in space.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue  # derived lines (XLA Ops, TensorFlow Ops, Steps) repeat the streams
+            for event in line.events:
+                meta = plane.event_metadata[event.metadata_id]
+                op = ""
+                for stat in list(event.stats) + list(meta.stats):
+                    stat_name = stat_names.get(stat.metadata_id, "")
+                    if stat_name in ("tf_op", "hlo_op", "level 0"):
+                        value = stat.str_value or (
+                            plane.stat_metadata[stat.ref_value].name if stat.ref_value else ""
+                        )
+                        if value and (not op or stat_name == "hlo_op"):
+                            op = value
+                start_us = line.timestamp_ns / 1e3 + event.offset_ps / 1e6
+                records.append((meta.name or meta.display_name, start_us, event.duration_ps / 1e6,
+                                line.name, op))
+    return records
+
+
+def chrome_trace_kernels(path: str):
+    """Kernel and memcpy records from PyTorch's `export_chrome_trace` JSON (gzip or not)."""
+    import gzip
+    import json
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    records = []
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in event:
+            records.append((event["name"], float(event["ts"]), float(event["dur"]),
+                            str(event.get("tid")), ""))
+    return records

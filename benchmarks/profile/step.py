@@ -1,0 +1,269 @@
+"""Where a ResNet50 training step's time goes: TensorFlow/Keras vs PyTorch, on the GPU.
+
+Each configuration runs in its own process: build, compile, warm up, time
+`--steps` steps without the profiler (img/s), then profile `--profile-steps`
+steps (TF: `tf.profiler.experimental`, CUPTI; PyTorch: `torch.profiler`) and
+sort every GPU kernel into a kind of work (`kernels.py`): convolution forward /
+backward-data / backward-filter, batch norm, element-wise, optimizer update,
+loss-scaling checks, layout transposes, copies, and the GPU's idle time inside
+the profiled window (host gaps between launches). XLA configurations also dump
+the optimized HLO (`XLA_FLAGS=--xla_dump_to`), so that each fused kernel can be
+traced back to the Keras layer it came from.
+
+    python benchmarks/profile/step.py --out profile.json                 # all configs
+    python benchmarks/profile/step.py --only tf_fp16_xla --only torch_fp16
+    python benchmarks/profile/step.py --raw-dir raw/   # also keep kernels + HLO per config
+
+Configurations (`CONFIGS`): Keras `applications.ResNet50(weights=None)` under
+mixed_float16 / mixed_bfloat16, with and without XLA, and variants that each
+change one thing (fused batch norm, steps_per_execution, XLA flags, data
+prefetched to the GPU); torchvision resnet50 with fp16 autocast, channels_last.
+Data: one synthetic batch of 224x224 images, SGD(0.01, momentum 0.9), as in
+`benchmarks/resnet50/bench.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from benchmarks.common import gpu_name, timed_fit, timed_torch_steps  # noqa: E402
+
+# name: (framework, settings). Settings: policy, jit, and one change each:
+# fused_bn (kvram.speed.fuse_batch_norm), spe (steps_per_execution), xla_flags
+# (appended to XLA_FLAGS), env (environment variables), prefetch (data through
+# tf.data prefetch_to_device), model ("keras" or "kvram": models/resnet50.py).
+CONFIGS = {
+    "tf_fp16_xla": ("tf", dict(policy="mixed_float16", jit=True)),
+    "tf_bf16_xla": ("tf", dict(policy="mixed_bfloat16", jit=True)),
+    "tf_fp16": ("tf", dict(policy="mixed_float16", jit=False)),
+    "tf_bf16": ("tf", dict(policy="mixed_bfloat16", jit=False)),
+    "torch_fp16": ("torch", dict()),
+    # one change each, against tf_*_xla / tf_* above
+    "tf_fp16_xla_fusedbn": ("tf", dict(policy="mixed_float16", jit=True, fused_bn=True)),
+    "tf_bf16_xla_fusedbn": ("tf", dict(policy="mixed_bfloat16", jit=True, fused_bn=True)),
+    "tf_fp16_fusedbn": ("tf", dict(policy="mixed_float16", jit=False, fused_bn=True)),
+    "tf_fp16_fusedbn_persistent": (
+        "tf", dict(policy="mixed_float16", jit=False, fused_bn=True,
+                   env={"TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT": "1"}),
+    ),
+    "tf_fp16_xla_spe16": ("tf", dict(policy="mixed_float16", jit=True, spe=16)),
+    "tf_fp16_xla_prefetch": ("tf", dict(policy="mixed_float16", jit=True, prefetch=True)),
+    "tf_fp16_xla_cmdbuf_off": (
+        "tf", dict(policy="mixed_float16", jit=True, xla_flags="--xla_gpu_enable_command_buffer=")
+    ),
+    # micro-batching (issue 11 item 4): models/resnet50.py as a kvram.Model without
+    # checkpointing, bf16, XLA, batches of 512 rows, whole vs 4 slices of 128
+    "micro_none_b512": ("tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512)),
+    "micro_128_b512": (
+        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128)
+    ),
+    "micro_128_b512_slices_only_xla": (
+        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128,
+                   xla_micro_step=False)
+    ),
+    "tf_fp16_xla_lhs": (
+        "tf", dict(policy="mixed_float16", jit=True,
+                   xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true")
+    ),
+}
+
+
+def _xla_dump_dir(raw_dir, name):
+    return os.path.join(raw_dir or tempfile.gettempdir(), f"hlo_{name}")
+
+
+def run_tf(name, settings, args):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+    import tensorflow as tf
+
+    import kvram
+    from kernels import breakdown, xspace_kernels
+
+    kvram.precision.enable(settings["policy"])
+    batch, device, size = settings.get("batch", args.batch), args.device, args.image_size
+    with tf.device(device):
+        if settings.get("model", "keras") == "keras":
+            model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3))
+        else:
+            from models.resnet50 import resnet50
+
+            model = resnet50((size, size, 3), checkpoint=settings.get("ckpt", False))
+        fused = kvram.speed.fuse_batch_norm(model) if settings.get("fused_bn") else 0
+        if settings.get("micro"):
+            model.micro_batch_size = settings["micro"]
+            model._kvram_xla_micro_step = settings.get("xla_micro_step", True)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss="sparse_categorical_crossentropy",
+            jit_compile=settings["jit"],
+            steps_per_execution=settings.get("spe", 1),
+        )
+        x = tf.random.uniform((batch, size, size, 3))
+        y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    if settings.get("prefetch"):
+        data = data.apply(tf.data.experimental.prefetch_to_device("/" + device, buffer_size=2))
+    spe = settings.get("spe", 1)
+    steps = max(spe, args.steps // spe * spe)
+    timed = timed_fit(model, data, steps, max(spe, args.warmup // spe * spe), [device])
+    result = {
+        "settings": settings,
+        "batch_norm_layers_fused": fused,
+        "img_per_s": batch * steps / timed["seconds"],
+        "step_ms": timed["seconds"] / steps * 1e3,
+        "peak_gib": timed["peak_gib"][device],
+        "final_loss": timed["loss"],
+    }
+    logdir = tempfile.mkdtemp(prefix=f"tfprof_{name}_")
+    profile_steps = max(spe, args.profile_steps // spe * spe)
+    try:
+        tf.profiler.experimental.start(logdir)
+        model.fit(data, steps_per_epoch=profile_steps, epochs=1, verbose=0)
+        tf.profiler.experimental.stop()
+        planes = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        kernels = xspace_kernels(planes[0]) if planes else []
+        result["profile"] = breakdown(kernels, profile_steps) if kernels else {
+            "kernels": 0, "note": f"no GPU kernels in the trace ({len(planes)} xplane files)"}
+        _keep_raw(args.raw_dir, name, kernels, settings)
+    except Exception as error:  # noqa: BLE001 - the timing above still stands
+        result["profile"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    return result
+
+
+def run_torch(name, settings, args):
+    import torch
+    import torchvision
+
+    from kernels import breakdown, chrome_trace_kernels
+
+    torch.backends.cudnn.benchmark = True
+    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.rand(args.batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (args.batch,), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    timed = timed_torch_steps(step, args.steps, args.warmup)
+    result = {
+        "settings": settings,
+        "img_per_s": args.batch * args.steps / timed["seconds"],
+        "step_ms": timed["seconds"] / args.steps * 1e3,
+        "peak_gib": timed["peak_gib"],
+        "final_loss": timed["loss"],
+    }
+    trace = os.path.join(tempfile.mkdtemp(), "trace.json")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.profile_steps):
+            step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace)
+    kernels = chrome_trace_kernels(trace)
+    result["profile"] = breakdown(kernels, args.profile_steps)
+    _keep_raw(args.raw_dir, name, kernels, settings)
+    return result
+
+
+def _keep_raw(raw_dir, name, kernels, settings):
+    """Writes the kernel records (and the largest optimized HLO module) for later analysis."""
+    if not raw_dir:
+        return
+    os.makedirs(raw_dir, exist_ok=True)
+    with gzip.open(os.path.join(raw_dir, f"kernels_{name}.json.gz"), "wt") as f:
+        json.dump(kernels, f)
+    dump = _xla_dump_dir(raw_dir, name)
+    modules = glob.glob(os.path.join(dump, "*after_optimizations.txt"))
+    if modules:
+        largest = max(modules, key=os.path.getsize)
+        with open(largest, "rb") as src, gzip.open(os.path.join(raw_dir, f"hlo_{name}.txt.gz"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    shutil.rmtree(dump, ignore_errors=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0: smoke test)")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--raw-dir", default=None, help="keep kernel records and HLO here")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        framework, settings = CONFIGS[args.child]
+        runner = run_tf if framework == "tf" else run_torch
+        print("RESULT " + json.dumps(runner(args.child, settings, args)), flush=True)
+        return
+    results = {}
+    for name in args.only or list(CONFIGS):
+        framework, settings = CONFIGS[name]
+        env = dict(os.environ, **settings.get("env", {}))
+        flags = [env.get("XLA_FLAGS", ""), settings.get("xla_flags", "")]
+        if framework == "tf" and settings.get("jit") and args.raw_dir:
+            flags += [f"--xla_dump_to={_xla_dump_dir(args.raw_dir, name)}", "--xla_dump_hlo_as_text"]
+        env["XLA_FLAGS"] = " ".join(f for f in flags if f)
+        command = [sys.executable, __file__, "--child", name, "--batch", str(args.batch),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--profile-steps", str(args.profile_steps), "--device", args.device,
+                   "--image-size", str(args.image_size)]
+        if args.raw_dir:
+            command += ["--raw-dir", args.raw_dir]
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            result = json.loads(lines[-1][7:]) if lines else {"error": (proc.stderr or proc.stdout)[-3000:]}
+        except subprocess.TimeoutExpired:
+            result = {"error": f"timed out after {args.timeout} s"}
+        result["wall_s"] = time.perf_counter() - started
+        results[name] = result
+        if "error" in result:
+            print(f"{name:28} FAILED {result['error'][-600:]}", flush=True)
+        else:
+            prof = result.get("profile", {})
+            kinds = prof.get("kinds_ms_per_step", {})
+            print(f"{name:28} {result['img_per_s']:7.0f} img/s {result['step_ms']:6.1f} ms/step "
+                  f"{result['peak_gib']:6.2f} GiB | busy {prof.get('busy_ms_per_step', 0):.1f} "
+                  f"idle {prof.get('idle_ms_per_step', 0):.1f} ms | "
+                  + " ".join(f"{k}={v:.1f}" for k, v in list(kinds.items())[:8])
+                  + f" ({result['wall_s']:.0f} s)", flush=True)
+        if args.out:  # written after every config: a later stall loses nothing
+            with open(args.out, "w") as f:
+                json.dump({"benchmark": "profile-resnet50-step", "gpu": gpu_name(), "batch": args.batch,
+                           "steps": args.steps, "command": "python " + " ".join(sys.argv),
+                           "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
