@@ -4,7 +4,8 @@ import kvram
 def test_public_names_import():
     for name in kvram.__all__:
         assert hasattr(kvram, name), name
-    for module in (kvram.layers, kvram.memory, kvram.precision, kvram.callbacks, kvram.data, kvram.parallel):
+    for module in (kvram.layers, kvram.memory, kvram.precision, kvram.callbacks, kvram.data, kvram.parallel,
+                   kvram.speed):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
     assert callable(kvram.Model)

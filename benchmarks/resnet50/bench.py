@@ -35,6 +35,32 @@ CONFIGS = {
         "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=["stem", 2])
     ),
     "kvram_bf16_ckpt_nojit": ("tf", dict(policy="mixed_bfloat16", model="kvram", jit=False)),
+    # issue 11: kvram.Model prefetches batches to the GPU (prefetch_to_gpu=2, its
+    # default); spe = compile(steps_per_execution=...); fused_bn =
+    # kvram.speed.fuse_batch_norm; ckpt=False: no checkpointing
+    "kvram_fp16": ("tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False)),
+    "kvram_fp16_spe16": (
+        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16)
+    ),
+    "kvram_fp16_fusedbn_spe16": (
+        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, fused_bn=True)
+    ),
+    "kvram_bf16_spe16": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=False, spe=16)
+    ),
+    "kvram_bf16_ckpt_spe16": ("tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, spe=16)),
+    "kvram_bf16_ckpt_early_spe16": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=["stem", 2, 3], spe=16)
+    ),
+    "kvram_fp16_ckpt_early_spe16": (
+        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=["stem", 2, 3], spe=16)
+    ),
+    "kvram_bf16_ckpt_stem2_spe16": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=["stem", 2], spe=16)
+    ),
+    "keras_mixed_float16_spe16": (
+        "tf", dict(policy="mixed_float16", model="keras", jit=True, spe=16)
+    ),
     "torch_fp16": ("torch", dict(segments=0)),
     "torch_fp16_ckpt4": ("torch", dict(segments=4)),
     "torch_fp16_ckpt4_inplace": ("torch", dict(segments=4, inplace=True)),
@@ -57,18 +83,25 @@ def run_tf(settings, batch, steps, warmup, device):
             from models.resnet50 import resnet50
 
             model = resnet50(checkpoint=settings.get("ckpt", True))
+        if settings.get("fused_bn"):
+            kvram.speed.fuse_batch_norm(model)
+        spe = settings.get("spe", 1)
         model.compile(
             optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
             loss="sparse_categorical_crossentropy",
             jit_compile=settings["jit"],
+            steps_per_execution=spe,
         )
         x = tf.random.uniform((batch, 224, 224, 3))
         y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
 
+    # whole executions of `spe` steps: steps and warm-up rounded up to multiples
+    steps, warmup = -(-steps // spe) * spe, -(-warmup // spe) * spe
     timed = timed_fit(model, data, steps, warmup, [device])
     return {
         "framework": f"tensorflow {tf.__version__}, keras {keras.__version__}",
+        "timed_steps": steps,
         "settings": settings,
         "img_per_s": batch * steps / timed["seconds"],
         "peak_gib": timed["peak_gib"][device],

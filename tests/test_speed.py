@@ -1,0 +1,173 @@
+"""kvram.speed and kvram.layers.FusedBatchNormalization: same function, same
+gradients, same moving statistics as Keras's BatchNormalization; the GPU
+prefetch of kvram.Model.fit leaves the data unchanged."""
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import kvram
+from helpers import max_rel_diff, values
+
+
+def _pair(policy, **kwargs):
+    keras.config.set_dtype_policy(policy)
+    plain = keras.layers.BatchNormalization(**kwargs)
+    fused = kvram.layers.FusedBatchNormalization(**kwargs)
+    shape = (6, 5, 4, 8)
+    for layer in (plain, fused):
+        layer.build(shape)
+    rng = np.random.default_rng(0)
+    for a, b in zip(plain.weights, fused.weights):
+        value = rng.uniform(0.5, 1.5, a.shape).astype("float32")
+        a.assign(value)
+        b.assign(value)
+    return plain, fused, tf.constant(rng.normal(1.0, 3.0, shape).astype("float32"))
+
+
+_LOSS_WEIGHTS = np.random.default_rng(1).normal(size=(6, 5, 4, 8)).astype("float32")
+
+
+def _step(layer, x, training):
+    weights = [w for w in (getattr(layer, "gamma", None), getattr(layer, "beta", None)) if w is not None]
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=training)
+        # a fixed random weighting: its gradient through the normalization is far from 0
+        loss = tf.reduce_sum(tf.cast(y, "float32") * _LOSS_WEIGHTS)
+    return y, tape.gradient(loss, [x, *weights])
+
+
+@pytest.mark.parametrize(
+    "policy,tol", [("float32", 1e-5), ("mixed_float16", 2e-2), ("mixed_bfloat16", 5e-2)]
+)
+@pytest.mark.parametrize("kwargs", [{}, {"center": False}, {"scale": False, "epsilon": 0.1}])
+def test_fused_batch_norm_matches_keras(policy, tol, kwargs):
+    plain, fused, x = _pair(policy, momentum=0.9, **kwargs)
+    for training in (True, False):
+        y_plain, g_plain = _step(plain, x, training)
+        y_fused, g_fused = _step(fused, x, training)
+        assert y_fused.dtype == y_plain.dtype
+        assert max_rel_diff([y_plain], [y_fused]) < tol
+        assert max_rel_diff(g_plain, g_fused) < tol
+    # moving statistics: Keras's formula with the biased batch variance
+    assert max_rel_diff(values(plain.non_trainable_weights), values(fused.non_trainable_weights)) < 1e-5
+
+
+def test_fused_batch_norm_under_xla_matches_keras():
+    plain, fused, x = _pair("float32")
+    step = tf.function(lambda x: _step(fused, x, True), jit_compile=True)
+    y_fused, g_fused = step(x)
+    y_plain, g_plain = _step(plain, x, True)
+    assert max_rel_diff([y_plain], [y_fused]) < 1e-5
+    assert max_rel_diff(g_plain, g_fused) < 1e-4
+
+
+def test_fused_batch_norm_falls_back_where_it_cannot_fuse():
+    keras.config.set_dtype_policy("float32")
+    x = tf.random.normal((4, 3, 8))  # 3-D: Keras's implementation
+    plain, fused = keras.layers.BatchNormalization(), kvram.layers.FusedBatchNormalization()
+    assert max_rel_diff([plain(x, training=True)], [fused(x, training=True)]) < 1e-6
+    x4 = tf.random.normal((2, 8, 3, 3))
+    plain, fused = keras.layers.BatchNormalization(axis=1), kvram.layers.FusedBatchNormalization(axis=1)
+    assert max_rel_diff([plain(x4, training=True)], [fused(x4, training=True)]) < 1e-6
+
+
+def test_fused_batch_norm_config_and_save(tmp_path):
+    layer = kvram.layers.FusedBatchNormalization(momentum=0.8, epsilon=1e-4)
+    clone = kvram.layers.FusedBatchNormalization.from_config(layer.get_config())
+    assert (clone.momentum, clone.epsilon) == (0.8, 1e-4)
+    inputs = keras.Input((4, 4, 3))
+    model = keras.Model(inputs, layer(inputs))
+    model(tf.ones((1, 4, 4, 3)), training=True)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded.layers[-1], kvram.layers.FusedBatchNormalization)
+    assert max_rel_diff(model.get_weights(), loaded.get_weights()) == 0
+
+
+def _resnetish(kvram_model=False):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same")(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    block_in = keras.Input((8, 8, 8))
+    h = keras.layers.Conv2D(8, 1)(block_in)
+    h = keras.layers.BatchNormalization()(h)
+    block = keras.Model(block_in, keras.layers.ReLU()(h))
+    x = kvram.layers.Checkpoint(block)(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(4)(x)
+    return (kvram.Model if kvram_model else keras.Model)(inputs, outputs)
+
+
+def test_fuse_batch_norm_switches_nested_layers_and_keeps_training_identical():
+    x = tf.random.normal((8, 8, 8, 3), seed=1)
+    y = tf.constant([0, 1, 2, 3] * 2)
+    plain, fused = _resnetish(), _resnetish()
+    assert kvram.speed.fuse_batch_norm(fused) == 2  # one inside the checkpointed block
+    assert sum(isinstance(l, kvram.layers.FusedBatchNormalization)
+               for l in fused._flatten_layers(include_self=False)) == 2
+    for model in (plain, fused):
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0)
+    # per_tensor=False: the conv biases feeding BatchNormalization, and the first
+    # BN's beta (a per-channel shift the next BN removes), have analytically zero
+    # gradients whose rounding noise differs
+    assert max_rel_diff(plain.get_weights(), fused.get_weights(), per_tensor=False) < 1e-5
+    assert kvram.speed.fuse_batch_norm(fused) == 0  # already fused
+
+
+def test_fuse_batch_norm_drops_traced_functions():
+    model = _resnetish()
+    model.compile("sgd", "mse")
+    model.fit(tf.ones((2, 8, 8, 3)), tf.ones((2, 4)), verbose=0)
+    assert model.train_function is not None
+    kvram.speed.fuse_batch_norm(model)
+    assert model.train_function is None
+
+
+def test_fuse_batch_norm_rejects_non_layers():
+    with pytest.raises(TypeError, match=r"Received: model='resnet'"):
+        kvram.speed.fuse_batch_norm("resnet")
+
+
+def test_prefetch_to_gpu_argument_checked():
+    with pytest.raises(ValueError, match=r"Received: prefetch_to_gpu=0"):
+        _model(prefetch_to_gpu=0)
+    with pytest.raises(TypeError, match=r"Received: prefetch_to_gpu='2'"):
+        _model(prefetch_to_gpu="2")
+    assert _model(prefetch_to_gpu=None).prefetch_to_gpu is None
+    assert _model().prefetch_to_gpu == 2
+
+
+def _model(**kwargs):
+    inputs = keras.Input((3,))
+    return kvram.Model(inputs, keras.layers.Dense(1)(inputs), **kwargs)
+
+
+def test_prefetch_applies_to_datasets_on_a_device_and_keeps_the_data(monkeypatch):
+    """On the CPU there is no GPU to prefetch to: with one stood in by a logical
+    CPU device, fit() trains on exactly the same batches as without prefetching."""
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.arange(24, dtype="float32").reshape(8, 3), np.arange(8, dtype="float32"))
+    ).batch(4)
+    without = _model(prefetch_to_gpu=None)
+    assert without._prefetched(data) is data
+    cpu = tf.config.list_logical_devices("CPU")[0]
+    monkeypatch.setattr(tf.config, "list_logical_devices",
+                        lambda kind=None: [cpu] if kind == "GPU" else [cpu])
+    model = _model()
+    assert model._prefetched(data) is not data
+    assert model._prefetched(np.ones((2, 3))) is not None  # arrays pass unchanged
+    keras.utils.set_random_seed(0)
+    a = _model(prefetch_to_gpu=None)
+    keras.utils.set_random_seed(0)
+    b = _model()
+    for m in (a, b):
+        m.compile(keras.optimizers.SGD(0.01), "mse")
+        m.fit(data, epochs=2, verbose=0)
+    assert max_rel_diff(a.get_weights(), b.get_weights()) == 0
