@@ -64,6 +64,11 @@ CONFIGS = {
     "tf_fp16_xla_cmdbuf_off": (
         "tf", dict(policy="mixed_float16", jit=True, xla_flags="--xla_gpu_enable_command_buffer=")
     ),
+    # kvram as the ResNet50 benchmark runs it: models/resnet50.py (a kvram.Model,
+    # batches prefetched to the GPU), no checkpointing, steps_per_execution=16
+    "kvram_fp16_xla_spe16": (
+        "tf", dict(policy="mixed_float16", jit=True, model="kvram", spe=16)
+    ),
     # micro-batching (issue 11 item 4): models/resnet50.py as a kvram.Model without
     # checkpointing, bf16, XLA, batches of 512 rows, whole vs 4 slices of 128
     "micro_none_b512": ("tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512)),
