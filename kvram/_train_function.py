@@ -204,8 +204,9 @@ class TrainFunction:
         the update) is one XLA computation, compiled once per batch shape, as
         Keras compiles its own step, instead of compiling only each slice's
         forward and backward and leaving the loop, the gradient sums and the
-        optimizer to TensorFlow's graph executor (see benchmarks/README.md,
-        micro-batching).
+        optimizer to TensorFlow's graph executor. Measured on ResNet50 (H200,
+        bf16, batches of 512, slices of 128, one run): 4247 img/s against 3583
+        the other way, and 4569 unsliced (benchmarks/results/profile_resnet50_h200.json).
         """
         model = self.model
         strategy = model.distribute_strategy
