@@ -144,3 +144,23 @@ def test_custom_train_step_is_refused_with_micro_batches():
     x, y, _ = data(8)
     with pytest.raises(NotImplementedError, match="overrides train_step"):
         net.fit(x, y, verbose=0)
+
+
+def test_fixed_micro_batches_compile_the_whole_step_with_xla():
+    """With jit_compile, the loop over slices, the sums and the update are one XLA
+    computation per batch shape (a short last batch is a second one), with the
+    same result as slices compiled alone under TF's graph executor."""
+    x, y, w = data(38)
+    whole_xla = model(micro_batch_size=5, jit_compile=True)
+    slices_xla = model(micro_batch_size=5, jit_compile=True)
+    slices_xla._kvram_xla_micro_step = False
+    whole = model()
+    for net in (whole_xla, slices_xla, whole):
+        net.fit(x, y, sample_weight=w, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    weights = [[v.numpy() for v in net.trainable_weights] for net in (whole_xla, slices_xla, whole)]
+    assert max_rel_diff(weights[2], weights[0]) < TOL
+    assert max_rel_diff(weights[1], weights[0]) < TOL
+    assert list(whole_xla.train_function._functions) == [("fused_xla", 5)]
+    assert list(slices_xla.train_function._functions) == [("fused", 5)]
+    # batches of 16 and a last one of 6: one trace each
+    assert whole_xla.train_function.tracing_count() == 2
