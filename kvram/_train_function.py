@@ -187,13 +187,15 @@ class TrainFunction:
             if hasattr(f, "experimental_get_tracing_count")
         )
 
-    def _compiled(self, key, step, jit_compile=False):
+    def _compiled(self, key, step, jit_compile=False, reduce_retracing=True):
         """`step` as a cached `tf.function` (as is when the model runs eagerly)."""
         function = self._functions.get(key)
         if function is None:
             function = step
             if not self.model.run_eagerly:
-                function = tf.function(step, reduce_retracing=True, jit_compile=jit_compile)
+                function = tf.function(
+                    step, reduce_retracing=reduce_retracing, jit_compile=jit_compile
+                )
             self._functions[key] = function
         return function
 
@@ -218,15 +220,13 @@ class TrainFunction:
         if (
             model.jit_compile
             and getattr(model, "_kvram_xla_micro_step", True)
-            and not model.run_eagerly
             and data is not None
             and all(t.shape.is_fully_defined() for t in tree.flatten(data) if t is not None)
         ):
-            key = ("fused_xla", micro_batch_size)
-            if key not in self._functions:
-                # One trace per batch shape: XLA needs static slice shapes.
-                self._functions[key] = tf.function(step, jit_compile=True)
-            return self._functions[key]
+            # One trace per batch shape: XLA needs static slice shapes.
+            return self._compiled(
+                ("fused_xla", micro_batch_size), step, jit_compile=True, reduce_retracing=False
+            )
         return self._compiled(("fused", micro_batch_size), step)
 
     def _replica_gradients(self, data, micro_batch_size):

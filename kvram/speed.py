@@ -43,7 +43,7 @@ def fuse_batch_norm(model: keras.layers.Layer) -> int:
             f"fuse_batch_norm expects a Keras model or layer. Received: model={model!r}"
         )
     switched = 0
-    for layer in [model, *model._flatten_layers(include_self=False, recursive=True)]:
+    for layer in model._flatten_layers(include_self=True, recursive=True):
         if type(layer) is keras.layers.BatchNormalization:
             layer.__class__ = FusedBatchNormalization
             switched += 1

@@ -30,12 +30,9 @@ class FusedBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def _fusable(self, inputs, mask) -> bool:
+        # Keras keeps `axis` as one int.
         return (
-            mask is None
-            and not self.synchronized
-            and len(inputs.shape) == 4
-            and list(self.axis if isinstance(self.axis, (list, tuple)) else [self.axis])
-            in ([3], [-1])
+            mask is None and not self.synchronized and len(inputs.shape) == 4 and self.axis in (3, -1)
         )
 
     def call(self, inputs, training=None, mask=None):
