@@ -33,12 +33,19 @@ def versions() -> dict:
     return found
 
 
-def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
-    """Runs `warmup` steps, then `steps` timed steps of `model.fit(data)`.
+def whole_executions(steps: int, steps_per_execution: int) -> int:
+    """`steps` rounded up to a multiple of `steps_per_execution` (Keras runs
+    that many steps per call of its compiled function)."""
+    return -(-steps // steps_per_execution) * steps_per_execution
 
-    Returns seconds for the timed steps (the clock stops after the last step's
-    loss has been read, so queued GPU work is counted), that loss, and the peak
-    bytes TensorFlow allocated on each of `devices` during them.
+
+def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
+    """Runs `warmup` steps, then `steps` timed steps of `model.fit(data)`, both
+    rounded up to whole executions of the model's `steps_per_execution`.
+
+    Returns the timed steps, seconds for them (the clock stops after the last
+    step's loss has been read, so queued GPU work is counted), that loss, and
+    the peak bytes TensorFlow allocated on each of `devices` during them.
     """
     import keras
     import tensorflow as tf
@@ -53,11 +60,14 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
             times["loss"] = float(logs["loss"])  # waits for the last step
             times["end"] = time.perf_counter()
 
+    spe = int(model.steps_per_execution or 1)
+    steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
     model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0, callbacks=[Clock()])
     for device in devices:
         tf.config.experimental.reset_memory_stats(device)
     model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
     return {
+        "steps": steps,
         "seconds": times["end"] - times["start"],
         "loss": times["loss"],
         "peak_gib": {d: tf.config.experimental.get_memory_info(d)["peak"] / 2**30 for d in devices},

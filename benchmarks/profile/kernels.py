@@ -73,21 +73,28 @@ def union_seconds(intervals) -> float:
     return total
 
 
-def breakdown(kernels, steps: int, op_kinds=None) -> dict:
+def _window(intervals) -> float:
+    """From the first start to the last end of `(start, end)` intervals (0 if none)."""
+    return max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
+
+
+def breakdown(kernels, steps: int) -> dict:
     """Per-step milliseconds by kind, kernel counts, GPU busy time and idle gaps.
 
     `kernels`: `(name, start_us, dur_us, stream, op)` records covering `steps`
     training steps. Kernels overlapping on several streams are each counted in
     their kind (so kinds may add up to more than the busy time); `busy_ms` is the
     union, and `idle_ms` the time inside the window when no kernel ran (launch
-    latency, host work, synchronisation).
-    `op_kinds`: optional {op name: kind} that overrides `kind_of` (from an HLO dump).
+    latency, host work, synchronisation). `streams` holds the same for compute
+    kernels alone (copies left out): `compute_idle_ms_per_step` is the time the
+    computation waited, for the host or for its input, and `h2d_ms_per_step` the
+    host-to-GPU copy time.
     """
     by_kind: dict[str, list] = {}
     by_name: dict[str, list] = {}
-    intervals = []
+    intervals, compute, h2d = [], [], []
     for name, start, dur, _stream, op in kernels:
-        kind = (op_kinds or {}).get(op) or kind_of(name, op)
+        kind = kind_of(name, op)
         entry = by_kind.setdefault(kind, [0.0, 0])
         entry[0] += dur
         entry[1] += 1
@@ -95,10 +102,15 @@ def breakdown(kernels, steps: int, op_kinds=None) -> dict:
         key[0] += dur
         key[1] += 1
         intervals.append((start, start + dur))
+        if kind == "memcpy_h2d":
+            h2d.append(intervals[-1])
+        elif not kind.startswith("memcpy"):
+            compute.append(intervals[-1])
     if not intervals:
         return {"kernels": 0}
-    window = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    window = _window(intervals)
     busy = union_seconds(intervals)
+    compute_busy = union_seconds(compute)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]
     return {
         "steps": steps,
@@ -110,6 +122,12 @@ def breakdown(kernels, steps: int, op_kinds=None) -> dict:
             k: round(v[0] / steps / 1e3, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1][0])
         },
         "kinds_kernels_per_step": {k: v[1] / steps for k, v in by_kind.items()},
+        "streams": {
+            "compute_busy_ms_per_step": compute_busy / steps / 1e3,
+            "compute_window_ms_per_step": _window(compute) / steps / 1e3,
+            "compute_idle_ms_per_step": (_window(compute) - compute_busy) / steps / 1e3,
+            "h2d_ms_per_step": union_seconds(h2d) / steps / 1e3,
+        },
         "top_kernels": [
             {"name": n[:200], "op": v[3][:200], "kind": v[2], "ms_per_step": v[0] / steps / 1e3,
              "calls_per_step": v[1] / steps}

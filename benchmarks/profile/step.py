@@ -39,7 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-from benchmarks.common import gpu_name, timed_fit, timed_torch_steps  # noqa: E402
+from benchmarks.common import gpu_name, timed_fit, timed_torch_steps, whole_executions  # noqa: E402
+from benchmarks.resnet50.bench import build_tf, torch_step  # noqa: E402
 
 # name: (framework, settings). Settings: policy, jit, and one change each:
 # fused_bn (kvram.speed.fuse_batch_norm), spe (steps_per_execution), xla_flags
@@ -91,50 +92,31 @@ def _xla_dump_dir(raw_dir, name):
 
 
 def run_tf(name, settings, args):
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import keras
     import tensorflow as tf
 
-    import kvram
     from kernels import breakdown, xspace_kernels
 
-    kvram.precision.enable(settings["policy"])
-    batch, device, size = settings.get("batch", args.batch), args.device, args.image_size
-    with tf.device(device):
-        if settings.get("model", "keras") == "keras":
-            model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3))
-        else:
-            from models.resnet50 import resnet50
-
-            model = resnet50((size, size, 3), checkpoint=settings.get("ckpt", False))
-        fused = kvram.speed.fuse_batch_norm(model) if settings.get("fused_bn") else 0
-        if settings.get("micro"):
-            model.micro_batch_size = settings["micro"]
-            model._kvram_xla_micro_step = settings.get("xla_micro_step", True)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-            loss="sparse_categorical_crossentropy",
-            jit_compile=settings["jit"],
-            steps_per_execution=settings.get("spe", 1),
-        )
-        x = tf.random.uniform((batch, size, size, 3))
-        y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
-    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    batch, device = settings.get("batch", args.batch), args.device
+    # the ResNet50 benchmark's model and data; here the model defaults to Keras's,
+    # and models/resnet50.py to no checkpointing
+    model, data = build_tf({"model": "keras", "ckpt": False, **settings}, batch, device, args.image_size)
+    fused = sum(type(layer).__name__ == "FusedBatchNormalization" for layer in model._flatten_layers())
+    if settings.get("micro"):
+        model.micro_batch_size = settings["micro"]
+        model._kvram_xla_micro_step = settings.get("xla_micro_step", True)
     if settings.get("prefetch"):
         data = data.apply(tf.data.experimental.prefetch_to_device("/" + device, buffer_size=2))
-    spe = settings.get("spe", 1)
-    steps = max(spe, args.steps // spe * spe)
-    timed = timed_fit(model, data, steps, max(spe, args.warmup // spe * spe), [device])
+    timed = timed_fit(model, data, args.steps, args.warmup, [device])
     result = {
         "settings": settings,
         "batch_norm_layers_fused": fused,
-        "img_per_s": batch * steps / timed["seconds"],
-        "step_ms": timed["seconds"] / steps * 1e3,
+        "img_per_s": batch * timed["steps"] / timed["seconds"],
+        "step_ms": timed["seconds"] / timed["steps"] * 1e3,
         "peak_gib": timed["peak_gib"][device],
         "final_loss": timed["loss"],
     }
     logdir = tempfile.mkdtemp(prefix=f"tfprof_{name}_")
-    profile_steps = max(spe, args.profile_steps // spe * spe)
+    profile_steps = whole_executions(args.profile_steps, settings.get("spe", 1))
     try:
         tf.profiler.experimental.start(logdir)
         model.fit(data, steps_per_epoch=profile_steps, epochs=1, verbose=0)
@@ -143,7 +125,7 @@ def run_tf(name, settings, args):
         kernels = xspace_kernels(planes[0]) if planes else []
         result["profile"] = breakdown(kernels, profile_steps) if kernels else {
             "kernels": 0, "note": f"no GPU kernels in the trace ({len(planes)} xplane files)"}
-        _keep_raw(args.raw_dir, name, kernels, settings)
+        _keep_raw(args.raw_dir, name, kernels)
     except Exception as error:  # noqa: BLE001 - the timing above still stands
         result["profile"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     finally:
@@ -153,27 +135,10 @@ def run_tf(name, settings, args):
 
 def run_torch(name, settings, args):
     import torch
-    import torchvision
 
     from kernels import breakdown, chrome_trace_kernels
 
-    torch.backends.cudnn.benchmark = True
-    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = torch.amp.GradScaler("cuda")
-    loss_fn = torch.nn.CrossEntropyLoss()
-    x = torch.rand(args.batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (args.batch,), device="cuda")
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = loss_fn(model(x).float(), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        return loss
-
+    step = torch_step({"segments": 0, **settings}, args.batch)  # the ResNet50 benchmark's step
     timed = timed_torch_steps(step, args.steps, args.warmup)
     result = {
         "settings": settings,
@@ -191,11 +156,11 @@ def run_torch(name, settings, args):
     prof.export_chrome_trace(trace)
     kernels = chrome_trace_kernels(trace)
     result["profile"] = breakdown(kernels, args.profile_steps)
-    _keep_raw(args.raw_dir, name, kernels, settings)
+    _keep_raw(args.raw_dir, name, kernels)
     return result
 
 
-def _keep_raw(raw_dir, name, kernels, settings):
+def _keep_raw(raw_dir, name, kernels):
     """Writes the kernel records (and the largest optimized HLO module) for later analysis."""
     if not raw_dir:
         return

@@ -67,7 +67,8 @@ CONFIGS = {
 }
 
 
-def run_tf(settings, batch, steps, warmup, device):
+def build_tf(settings, batch, device, image_size=224):
+    """The model (built and compiled) and the data of a TF configuration."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
     import tensorflow as tf
@@ -76,44 +77,49 @@ def run_tf(settings, batch, steps, warmup, device):
     import kvram
 
     kvram.precision.enable(settings["policy"])
+    shape = (image_size, image_size, 3)
     with tf.device(device):
         if settings["model"] == "keras":
-            model = keras.applications.ResNet50(weights=None)
+            model = keras.applications.ResNet50(weights=None, input_shape=shape)
         else:
             from models.resnet50 import resnet50
 
-            model = resnet50(checkpoint=settings.get("ckpt", True))
+            model = resnet50(shape, checkpoint=settings.get("ckpt", True))
         if settings.get("fused_bn"):
             kvram.speed.fuse_batch_norm(model)
-        spe = settings.get("spe", 1)
         model.compile(
             optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
             loss="sparse_categorical_crossentropy",
             jit_compile=settings["jit"],
-            steps_per_execution=spe,
+            steps_per_execution=settings.get("spe", 1),
         )
-        x = tf.random.uniform((batch, 224, 224, 3))
+        x = tf.random.uniform((batch, *shape))
         y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
-    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    return model, tf.data.Dataset.from_tensors((x, y)).repeat()
 
-    # whole executions of `spe` steps: steps and warm-up rounded up to multiples
-    steps, warmup = -(-steps // spe) * spe, -(-warmup // spe) * spe
+
+def run_tf(settings, batch, steps, warmup, device):
+    import keras
+    import tensorflow as tf
+
+    model, data = build_tf(settings, batch, device)
     timed = timed_fit(model, data, steps, warmup, [device])
     return {
         "framework": f"tensorflow {tf.__version__}, keras {keras.__version__}",
-        "timed_steps": steps,
+        "timed_steps": timed["steps"],
         "settings": settings,
-        "img_per_s": batch * steps / timed["seconds"],
+        "img_per_s": batch * timed["steps"] / timed["seconds"],
         "peak_gib": timed["peak_gib"][device],
         "final_loss": timed["loss"],
         "skipped_steps": getattr(model, "skipped_steps", None),
     }
 
 
-def run_torch(settings, batch, steps, warmup, device):
+def torch_step(settings, batch):
+    """One PyTorch training step of a configuration, as a function returning the loss."""
     import torch
-    import torchvision
     from torch.utils.checkpoint import checkpoint_sequential
+    import torchvision
 
     torch.backends.cudnn.benchmark = True
     model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
@@ -155,7 +161,14 @@ def run_torch(settings, batch, steps, warmup, device):
         scaler.update()
         return loss
 
-    timed = timed_torch_steps(step, steps, warmup)
+    return step
+
+
+def run_torch(settings, batch, steps, warmup, device):
+    import torch
+    import torchvision
+
+    timed = timed_torch_steps(torch_step(settings, batch), steps, warmup)
     return {
         "framework": f"torch {torch.__version__}, torchvision {torchvision.__version__}",
         "settings": settings,

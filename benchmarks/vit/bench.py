@@ -69,14 +69,13 @@ def run_tf(settings, batch, steps, warmup, device):
         x = tf.random.uniform((batch, 224, 224, 3))
         y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
-    spe = settings.get("spe", 1)
-    steps, warmup = -(-steps // spe) * spe, -(-warmup // spe) * spe  # whole executions
     timed = timed_fit(model, data, steps, warmup, [device])
     return {
         "versions": versions(),
         "settings": settings,
         "parameters": model.count_params(),
-        "img_per_s": batch * steps / timed["seconds"],
+        "timed_steps": timed["steps"],
+        "img_per_s": batch * timed["steps"] / timed["seconds"],
         "peak_gib": timed["peak_gib"][device],
         "final_loss": timed["loss"],
     }
