@@ -1,5 +1,7 @@
 """The reference models in models/ (not part of the installed package)."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -40,3 +42,74 @@ def test_vit_bad_arguments():
         vit(image_size=30, patch=4)
     with pytest.raises(ValueError, match="'efficient' or 'keras'"):
         vit_tiny(attention="flash")
+
+
+def _leaves(model):
+    """The weight-holding layers of a model with nested sub-models, by name."""
+    return {
+        layer.name: layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if not layer._layers and layer.weights
+    }
+
+
+def _resnet_step(model, reference, x, y):
+    """The outputs and gradients of one training step of `model`, whose weights
+    are first set to those of `reference` layer by layer (nesting differs, names
+    do not), gradients listed by layer name; the optimized XLA HLO of the same
+    step; and the step's peak CPU allocation beyond the weights."""
+    leaves, source = _leaves(model), _leaves(reference)
+    assert set(leaves) == set(source)
+    for name, layer in leaves.items():
+        for mine, theirs in zip(layer.weights, source[name].weights):
+            mine.assign(theirs)
+    variables = [w for name in sorted(leaves) for w in leaves[name].trainable_weights]
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, out))
+        return [out] + tape.gradient(loss, variables)
+
+    hlo = tf.function(step, jit_compile=True).experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    graph_step = tf.function(step)
+    graph_step.get_concrete_function(x)
+    kvram.memory.reset_peak("CPU:0")
+    start = kvram.memory.current_bytes("CPU:0")
+    result = graph_step(x)
+    return result, hlo, kvram.memory.peak_bytes("CPU:0") - start
+
+
+def test_resnet50_recomputing_batch_norm_and_relu_only():
+    """`recompute=`: same function and gradients, less memory than keeping
+    everything, and (under XLA) not one convolution more than no recomputation,
+    where checkpointing whole blocks recomputes their convolutions."""
+    from models.resnet50 import resnet50
+
+    x = tf.constant(np.random.default_rng(0).random((16, 64, 64, 3)).astype("float32"))
+    y = np.arange(16) % 10
+    keras.utils.set_random_seed(0)
+    plain = resnet50((64, 64, 3), classes=10, checkpoint=False)
+    runs = {
+        name: _resnet_step(resnet50((64, 64, 3), classes=10, **kwargs), plain, x, y)
+        for name, kwargs in {
+            "plain": dict(checkpoint=False),
+            "selective": dict(checkpoint=False, recompute=True),
+            "full": dict(checkpoint=True),
+        }.items()
+    }
+    for name in ("selective", "full"):
+        assert max_rel_diff(runs["plain"][0][:1], runs[name][0][:1]) < 1e-5
+        assert max_rel_diff(runs["plain"][0][1:], runs[name][0][1:], per_tensor=False) < 1e-5
+    convolutions = {name: len(re.findall(r"= \S+ convolution\(", run[1])) for name, run in runs.items()}
+    assert convolutions["selective"] == convolutions["plain"] < convolutions["full"], convolutions
+    peaks = {name: run[2] for name, run in runs.items()}
+    print({name: f"{peak / 2**20:.1f} MiB" for name, peak in peaks.items()})
+    assert peaks["full"] < peaks["selective"] < 0.95 * peaks["plain"], peaks
+
+
+def test_resnet50_bad_parts():
+    from models.resnet50 import resnet50
+
+    with pytest.raises(ValueError, match=r"Unknown ResNet50 parts \[6\]; allowed"):
+        resnet50((32, 32, 3), classes=10, recompute=(6,))

@@ -2,6 +2,10 @@
 gradients, same moving statistics as Keras's BatchNormalization; the GPU
 prefetch of kvram.Model.fit leaves the data unchanged."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import keras
@@ -171,3 +175,36 @@ def test_prefetch_applies_to_datasets_on_a_device_and_keeps_the_data(monkeypatch
         m.compile(keras.optimizers.SGD(0.01), "mse")
         m.fit(data, epochs=2, verbose=0)
     assert max_rel_diff(a.get_weights(), b.get_weights()) == 0
+
+
+def test_pin_host_memory_after_tensorflow_started_says_what_to_move():
+    tf.constant(1.0)  # the runtime has started in this process
+    if kvram.speed.host_memory_pinned():
+        pytest.skip("this process already pins host memory")
+    with pytest.raises(RuntimeError, match=r"before TensorFlow's first operation.*force_gpu_compatible"):
+        kvram.speed.pin_host_memory()
+
+
+_PINNED_RUN = """
+import numpy as np, tensorflow as tf, keras, kvram
+from tensorflow.python.eager import context
+kvram.speed.pin_host_memory()
+kvram.speed.pin_host_memory()  # again: no error
+x = np.random.default_rng(0).random((32, 4)).astype("float32")
+y = x.sum(axis=1, keepdims=True)
+inputs = keras.Input((4,))
+model = kvram.Model(inputs, keras.layers.Dense(1)(inputs))
+model.compile(optimizer="sgd", loss="mse")
+model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+config = context.context().config  # what the runtime was started with
+print("pinned", kvram.speed.host_memory_pinned(), config.gpu_options.force_gpu_compatible)
+"""
+
+
+def test_pin_host_memory_at_program_start_reaches_the_runtime(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _PINNED_RUN], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pinned True True" in out.stdout

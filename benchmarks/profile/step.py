@@ -80,6 +80,16 @@ CONFIGS = {
         "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128,
                    xla_micro_step=False)
     ),
+    # kvram.speed.pin_host_memory() (pin): the same runs with page-locked host batches
+    "kvram_fp16_xla_spe16_pin": (
+        "tf", dict(policy="mixed_float16", jit=True, model="kvram", spe=16, pin=True)
+    ),
+    "micro_none_b512_pin": (
+        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, pin=True)
+    ),
+    "micro_128_b512_pin": (
+        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128, pin=True)
+    ),
     "tf_fp16_xla_lhs": (
         "tf", dict(policy="mixed_float16", jit=True,
                    xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true")

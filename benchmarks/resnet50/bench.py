@@ -1,11 +1,18 @@
 """ResNet50 training on one GPU: plain Keras vs kvram vs PyTorch, in one run.
 
 Each configuration runs in its own process (clean allocator statistics), on
-synthetic data resident on the GPU, with SGD(momentum=0.9), and reports images/s
+one synthetic batch, with SGD(momentum=0.9), and reports images/s
 over timed steps after warm-up and the peak GPU memory allocated by the framework
 during those steps (TF: `get_memory_info(...)["peak"]`; PyTorch:
 `torch.cuda.max_memory_allocated()`; both include weights, gradients and
 optimizer state).
+
+Input: PyTorch's batch stays on the GPU. TensorFlow's is made on the GPU but,
+like any `tf.data` input, is held by the dataset on the host and copied to the
+GPU every step (154 MB of float32 at batch 256), as a real input pipeline's
+batches are; kvram's `prefetch_to_gpu` overlaps that copy with the previous
+step, and `pin=True` (`kvram.speed.pin_host_memory()`) makes it a DMA from
+page-locked memory.
 
     python benchmarks/resnet50/bench.py --out results.json            # all configs
     python benchmarks/resnet50/bench.py --only kvram_bf16_ckpt         # one config
@@ -61,6 +68,34 @@ CONFIGS = {
     "keras_mixed_float16_spe16": (
         "tf", dict(policy="mixed_float16", model="keras", jit=True, spe=16)
     ),
+    # pin = kvram.speed.pin_host_memory(); recompute = parts that keep their
+    # convolution outputs and recompute only BatchNormalization + ReLU
+    "keras_mixed_float16_pin": ("tf", dict(policy="mixed_float16", model="keras", jit=True, pin=True)),
+    "kvram_fp16_pin": ("tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, pin=True)),
+    "kvram_fp16_pin_spe16": (
+        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True)
+    ),
+    "kvram_bf16_pin_spe16": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=False, spe=16, pin=True)
+    ),
+    "kvram_bf16_ckpt_pin_spe16": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, spe=16, pin=True)
+    ),
+    "kvram_bf16_ckpt_early_pin_spe16": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=["stem", 2, 3], spe=16, pin=True)
+    ),
+    "kvram_bf16_recompute_pin_spe16": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=False, recompute=True,
+                   spe=16, pin=True)
+    ),
+    "kvram_bf16_ckpt_early_recompute_pin_spe16": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=["stem", 2, 3],
+                   recompute=True, spe=16, pin=True)
+    ),
+    "kvram_bf16_ckpt_stem2_recompute_pin_spe16": (
+        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=["stem", 2],
+                   recompute=True, spe=16, pin=True)
+    ),
     "torch_fp16": ("torch", dict(segments=0)),
     "torch_fp16_ckpt4": ("torch", dict(segments=4)),
     "torch_fp16_ckpt4_inplace": ("torch", dict(segments=4, inplace=True)),
@@ -76,6 +111,8 @@ def build_tf(settings, batch, device, image_size=224):
     sys.path.insert(0, ROOT)
     import kvram
 
+    if settings.get("pin"):
+        kvram.speed.pin_host_memory()  # before TF's first operation
     kvram.precision.enable(settings["policy"])
     shape = (image_size, image_size, 3)
     with tf.device(device):
@@ -84,7 +121,9 @@ def build_tf(settings, batch, device, image_size=224):
         else:
             from models.resnet50 import resnet50
 
-            model = resnet50(shape, checkpoint=settings.get("ckpt", True))
+            model = resnet50(
+                shape, checkpoint=settings.get("ckpt", True), recompute=settings.get("recompute", ())
+            )
         if settings.get("fused_bn"):
             kvram.speed.fuse_batch_norm(model)
         model.compile(
