@@ -90,6 +90,10 @@ CONFIGS = {
     "micro_128_b512_pin": (
         "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128, pin=True)
     ),
+    # PyTorch's cost for the same slicing: bf16 autocast, batches of 512, whole vs
+    # gradients accumulated over 4 slices of 128 (one optimizer step)
+    "torch_bf16_b512": ("torch", dict(dtype="bfloat16", batch=512)),
+    "torch_bf16_b512_micro128": ("torch", dict(dtype="bfloat16", batch=512, micro=128)),
     "tf_fp16_xla_lhs": (
         "tf", dict(policy="mixed_float16", jit=True,
                    xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true")
@@ -148,11 +152,12 @@ def run_torch(name, settings, args):
 
     from kernels import breakdown, chrome_trace_kernels
 
-    step = torch_step({"segments": 0, **settings}, args.batch)  # the ResNet50 benchmark's step
+    batch = settings.get("batch", args.batch)
+    step = torch_step({"segments": 0, **settings}, batch)  # the ResNet50 benchmark's step
     timed = timed_torch_steps(step, args.steps, args.warmup)
     result = {
         "settings": settings,
-        "img_per_s": args.batch * args.steps / timed["seconds"],
+        "img_per_s": batch * args.steps / timed["seconds"],
         "step_ms": timed["seconds"] / args.steps * 1e3,
         "peak_gib": timed["peak_gib"],
         "final_loss": timed["loss"],

@@ -175,7 +175,8 @@ def torch_step(settings, batch):
         model.avgpool, torch.nn.Flatten(), model.fc,
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = torch.amp.GradScaler("cuda")
+    dtype = getattr(torch, settings.get("dtype", "float16"))
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
     loss_fn = torch.nn.CrossEntropyLoss()
     x = torch.rand(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device="cuda")
@@ -186,16 +187,22 @@ def torch_step(settings, batch):
         for module in model.modules():
             if isinstance(module, torch.nn.ReLU):
                 module.inplace = False
+    # micro: gradient accumulation over slices of that many rows (each slice's
+    # loss weighted by its share of the batch), one optimizer step per batch
+    micro = settings.get("micro") or batch
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16):
-            if segments:
-                out = checkpoint_sequential(seq, segments, x, use_reentrant=False)
-            else:
-                out = seq(x)
-            loss = loss_fn(out.float(), y)
-        scaler.scale(loss).backward()
+        for xs, ys in zip(x.split(micro), y.split(micro)):
+            with torch.autocast("cuda", dtype=dtype):
+                if segments:
+                    out = checkpoint_sequential(seq, segments, xs, use_reentrant=False)
+                else:
+                    out = seq(xs)
+                loss = loss_fn(out.float(), ys)
+                if micro < batch:
+                    loss = loss * (len(xs) / batch)
+            scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         return loss
