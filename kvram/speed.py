@@ -21,8 +21,9 @@ def pin_host_memory() -> None:
     Without it, every batch that `tf.data` makes on the CPU is pageable memory:
     the CUDA driver copies it through a bounce buffer at a fraction of the bus
     speed (about 7 GB/s on an H200 host, 22 ms for a 256-image float32 batch), and
-    the copy holds up kernel launches, so `kvram.Model`'s `prefetch_to_gpu` cannot
-    hide it behind the previous step (`benchmarks/profile/`). This sets TF's
+    the profile shows the GPU's compute stream waiting for most of that copy, so
+    `kvram.Model`'s `prefetch_to_gpu` cannot hide it behind the previous step;
+    pinned, it takes 3 ms (`benchmarks/profile/`). This sets TF's
     `GPUOptions.force_gpu_compatible`, the option TensorFlow's own
     `tf_cnn_benchmarks` turn on; TF 2 has no public call for it.
 
