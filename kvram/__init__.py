@@ -4,7 +4,7 @@ import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from kvram import callbacks, data, layers, memory, parallel, precision, speed  # noqa: E402
+from kvram import callbacks, data, layers, memory, parallel, precision, remat, speed  # noqa: E402
 from kvram.model import Model  # noqa: E402
 
 __version__ = "0.1.0"
@@ -17,6 +17,7 @@ __all__ = [
     "layers",
     "memory",
     "precision",
+    "remat",
     "speed",
     "__version__",
 ]

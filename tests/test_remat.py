@@ -1,0 +1,171 @@
+"""kvram.remat: cutting functional Keras models into segments, and the same model
+rebuilt with segments checkpointed (issue 12, first part)."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from kvram import remat
+from tests.helpers import max_rel_diff
+
+FAMILIES = {
+    "resnet50": lambda: keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10),
+    "convnext_tiny": lambda: keras.applications.ConvNeXtTiny(
+        weights=None, input_shape=(32, 32, 3), classes=10
+    ),
+    # dropout (drop-connect in every block from 1b on, and before the classifier)
+    "efficientnet_b0": lambda: keras.applications.EfficientNetB0(
+        weights=None, input_shape=(32, 32, 3), classes=10
+    ),
+    "mobilenet_v2": lambda: keras.applications.MobileNetV2(
+        weights=None, input_shape=(32, 32, 3), classes=10
+    ),
+}
+
+
+def _step(model, variables, state, x, y):
+    """Outputs and gradients (of `variables`) of one training step, from `state`
+    (every variable of the model: weights, BN statistics, dropout seeds)."""
+    for variable, value in zip(model.variables, state):
+        variable.assign(value)
+    with tf.GradientTape() as tape:
+        out = model(x, training=True)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, out))
+    return [out] + tape.gradient(loss, variables)
+
+
+def _sqrt_groups(count):
+    size = max(1, round(math.sqrt(count)))
+    return [list(range(i, min(i + size, count))) for i in range(0, count, size)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_checkpointed_rebuild_equals_the_model(family):
+    keras.utils.set_random_seed(0)
+    model = FAMILIES[family]()
+    chain = remat.segments(model)
+    assert len(chain) >= 10, [s.layers for s in chain]
+    assert [s.index for s in chain] == list(range(len(chain)))
+    assert chain[0].input is model.inputs[0] and chain[-1].output is model.outputs[0]
+    called = [name for s in chain for name in s.layers]
+    assert len(called) == len(set(called))  # every layer call in exactly one segment
+
+    groups = _sqrt_groups(len(chain))
+    rebuilt = remat.rebuild(model, groups, [True] * len(groups))
+    assert isinstance(rebuilt, kvram.Model)
+    assert {id(v) for v in rebuilt.weights} == {id(v) for v in model.weights}  # the same variables
+    parts = [layer for layer in rebuilt.layers if isinstance(layer, kvram.layers.Checkpoint)]
+    assert len(parts) == len(groups)
+
+    x = tf.constant(np.random.default_rng(0).random((4, 32, 32, 3)).astype("float32"))
+    y = np.arange(4)
+    state = [tf.identity(v) for v in model.variables]
+    variables = model.trainable_variables
+    plain = _step(model, variables, state, x, y)
+    checkpointed = _step(rebuilt, variables, state, x, y)
+    assert max_rel_diff(plain[:1], checkpointed[:1]) < 1e-5
+    assert max_rel_diff(plain[1:], checkpointed[1:], per_tensor=False) < 1e-5
+
+
+def test_rebuild_keeps_unchosen_segments_plain_and_predicts_the_same():
+    inputs = keras.Input((8,))
+    x = inputs
+    for i in range(4):
+        h = keras.layers.Dense(8, activation="relu", name=f"d{i}")(x)
+        x = keras.layers.Add(name=f"add{i}")([x, h])
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(x))
+    chain = remat.segments(model)
+    assert [s.layers for s in chain] == [("d0", "add0"), ("d1", "add1"), ("d2", "add2"), ("d3", "add3"), ("head",)]
+    rebuilt = remat.rebuild(model, [[0, 1], [2], [3, 4]], [True, False, True])
+    kinds = [type(layer).__name__ for layer in rebuilt.layers[1:]]
+    assert kinds == ["Checkpoint", "Functional", "Checkpoint"]
+    data = np.random.default_rng(1).random((5, 8)).astype("float32")
+    np.testing.assert_allclose(rebuilt.predict(data, verbose=0), model.predict(data, verbose=0), rtol=1e-6)
+
+
+def test_sequential_models_are_cut_too():
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4, name="a"), keras.layers.Dense(3, name="b")]
+    )
+    assert [s.layers for s in remat.segments(model)] == [("a",), ("b",)]
+
+
+def test_not_a_model():
+    with pytest.raises(TypeError, match=r"Expected a functional keras.Model.*Received: .*Dense"):
+        remat.segments(keras.layers.Dense(3))
+
+
+def test_subclassed_model_says_why():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    net = Net()
+    net(np.zeros((1, 3), "float32"))
+    with pytest.raises(ValueError, match=r"no layer graph to cut: it is a subclassed model.*Allowed"):
+        remat.segments(net)
+
+
+def test_a_layer_called_across_a_cut_is_named():
+    shared = keras.layers.Dense(4, name="shared")
+    inputs = keras.Input((4,))
+    x = shared(inputs)
+    x = keras.layers.ReLU(name="relu")(x)
+    x = shared(x)
+    model = keras.Model(inputs, x)
+    with pytest.raises(ValueError, match=r"Layer 'shared' .* segment 0 and in segment 2"):
+        remat.segments(model)
+
+
+def test_several_inputs_are_refused():
+    a, b = keras.Input((2,)), keras.Input((2,))
+    model = keras.Model([a, b], keras.layers.Add()([a, b]))
+    with pytest.raises(ValueError, match="2 inputs and 1 outputs"):
+        remat.segments(model)
+
+
+def test_bad_groups_say_what_is_allowed():
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(4)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4)(x))
+    with pytest.raises(ValueError, match=r"segment indices 0..1 once each.*Received: \[\[1\], \[0\]\]"):
+        remat.rebuild(model, [[1], [0]], [True, True])
+    with pytest.raises(ValueError, match=r"one flag per group \(1\). Received 2"):
+        remat.rebuild(model, [[0, 1]], [True, False])
+
+
+def _step_peak(model, x, y):
+    """Peak CPU allocation of one compiled training step beyond what was allocated before it."""
+    variables = model.trainable_variables
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True)))
+        return tape.gradient(loss, variables)
+
+    step.get_concrete_function()
+    kvram.memory.reset_peak("CPU:0")
+    start = kvram.memory.current_bytes("CPU:0")
+    step()
+    return kvram.memory.peak_bytes("CPU:0") - start
+
+
+def test_checkpointing_every_square_root_group_lowers_the_peak():
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+    groups = _sqrt_groups(len(remat.segments(model)))
+    rebuilt = remat.rebuild(model, groups, [True] * len(groups))
+    x = tf.constant(np.random.default_rng(0).random((16, 64, 64, 3)).astype("float32"))
+    y = np.arange(16) % 10
+    plain, checkpointed = _step_peak(model, x, y), _step_peak(rebuilt, x, y)
+    print(f"step peak: plain {plain / 2**20:.1f} MiB, checkpointed {checkpointed / 2**20:.1f} MiB")
+    assert checkpointed < 0.9 * plain, (plain, checkpointed)
