@@ -44,10 +44,6 @@ class Segment:
     input: object
     output: object
 
-    @property
-    def output_shape(self) -> tuple:
-        return tuple(self.output.shape)
-
 
 def _functional(model):
     """`model`'s functional graph (a Sequential model's inner one), or a clear error."""
@@ -58,7 +54,7 @@ def _functional(model):
             "Expected a functional keras.Model (keras.applications, keras.Model(inputs, outputs), "
             f"Sequential). Received: {model!r} of type {type(model).__name__}"
         )
-    if not hasattr(model, "_nodes_by_depth") or not getattr(model, "_nodes_by_depth", None):
+    if not getattr(model, "_nodes_by_depth", None):
         raise ValueError(
             f"{type(model).__name__} {model.name!r} has no layer graph to cut: it is a subclassed "
             "model whose call() is Python code. Allowed: a functional model "
@@ -91,14 +87,17 @@ def segments(model: keras.Model) -> list:
             or a layer called on both sides of a cut (shared weights would be
             recomputed in one segment and kept in another; the message names it).
     """
-    model = _functional(model)
+    return _chain(_functional(model))
+
+
+def _chain(model):
+    """`segments` of a model `_functional` returned."""
     nodes = _ordered_nodes(model)
     last_use = {}
     for i, node in enumerate(nodes):
         for tensor in node.input_tensors:
             last_use[id(tensor)] = i
-    output = model.outputs[0]
-    last_use[id(output)] = len(nodes)
+    last_use[id(model.outputs[0])] = len(nodes)
 
     found, live = [], {id(model.inputs[0]): model.inputs[0]}
     start, layers = model.inputs[0], []
@@ -145,8 +144,8 @@ def rebuild(model: keras.Model, groups, checkpoint) -> keras.Model:
     Returns:
         A `kvram.Model` calling the same layers (the same variables as `model`).
     """
-    chain = segments(model)
     model = _functional(model)
+    chain = _chain(model)
     flat = [i for group in groups for i in group]
     if flat != list(range(len(chain))):
         raise ValueError(
