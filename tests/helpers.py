@@ -21,6 +21,19 @@ def max_rel_diff(a, b, per_tensor: bool = True) -> float:
     return worst
 
 
+def run_with_peak(step, *args):
+    """One call of the `tf.function` `step(*args)` (traced first, outside the
+    measurement): its result, and its peak CPU allocation beyond what was
+    allocated before it."""
+    import kvram
+
+    step.get_concrete_function(*args)
+    kvram.memory.reset_peak("CPU:0")
+    start = kvram.memory.current_bytes("CPU:0")
+    result = step(*args)
+    return result, kvram.memory.peak_bytes("CPU:0") - start
+
+
 def values(variables):
     return [np.array(tf.convert_to_tensor(v)) for v in variables]
 

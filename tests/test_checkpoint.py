@@ -5,7 +5,7 @@ import tensorflow as tf
 
 import kvram
 from kvram.layers import Checkpoint
-from tests.helpers import max_rel_diff
+from tests.helpers import max_rel_diff, run_with_peak
 
 TOL = 1e-5
 
@@ -121,11 +121,7 @@ def _step_peak(checkpoint):
                 v.assign_sub(1e-4 * g)
             return loss
 
-        step.get_concrete_function()  # trace outside the measurement
-        kvram.memory.reset_peak("CPU:0")
-        start = kvram.memory.current_bytes("CPU:0")
-        float(step())
-        return kvram.memory.peak_bytes("CPU:0") - start
+        return run_with_peak(step)[1]
 
 
 def test_peak_memory_of_checkpointed_stack():

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import kvram
 from models.vit import vit, vit_b16, vit_tiny
-from tests.helpers import max_rel_diff
+from tests.helpers import max_rel_diff, run_with_peak
 
 
 def test_vit_b16_has_torchvision_vit_b_16_parameter_count():
@@ -72,12 +72,8 @@ def _resnet_step(model, reference, x, y):
         return [out] + tape.gradient(loss, variables)
 
     hlo = tf.function(step, jit_compile=True).experimental_get_compiler_ir(x)(stage="optimized_hlo")
-    graph_step = tf.function(step)
-    graph_step.get_concrete_function(x)
-    kvram.memory.reset_peak("CPU:0")
-    start = kvram.memory.current_bytes("CPU:0")
-    result = graph_step(x)
-    return result, hlo, kvram.memory.peak_bytes("CPU:0") - start
+    result, peak = run_with_peak(tf.function(step), x)
+    return result, hlo, peak
 
 
 def test_resnet50_recomputing_batch_norm_and_relu_only():

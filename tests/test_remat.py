@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import kvram
 from kvram import remat
-from tests.helpers import max_rel_diff
+from tests.helpers import max_rel_diff, run_with_peak
 
 FAMILIES = {
     "resnet50": lambda: keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10),
@@ -152,11 +152,7 @@ def _step_peak(model, x, y):
             loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True)))
         return tape.gradient(loss, variables)
 
-    step.get_concrete_function()
-    kvram.memory.reset_peak("CPU:0")
-    start = kvram.memory.current_bytes("CPU:0")
-    step()
-    return kvram.memory.peak_bytes("CPU:0") - start
+    return run_with_peak(step)[1]
 
 
 def test_checkpointing_every_square_root_group_lowers_the_peak():
