@@ -99,9 +99,11 @@ class Model(keras.Model):
             runs (`tf.data.experimental.prefetch_to_device`). Without it, each
             step starts with a blocking host-to-GPU copy of its batch: 25 ms of
             a 67 ms ResNet50 step at batch 256 on an H200, with the GPU idle
-            (benchmarks/profile/). Costs the batches' GPU memory. Used on one
-            GPU without a distribution strategy (strategies place data
-            themselves); ignored otherwise.
+            (benchmarks/profile/). With it, a pageable batch still kept the
+            GPU waiting 23.7 ms a step; a page-locked one 7.5 ms (see
+            `kvram.speed.pin_host_memory()`). Costs the batches' GPU memory.
+            Used on one GPU without a distribution strategy (strategies place
+            data themselves); ignored otherwise.
         **kwargs: `keras.Model` arguments (`name`, ...).
 
     Raises:

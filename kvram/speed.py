@@ -40,9 +40,9 @@ def pin_host_memory() -> None:
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.eager import context
 
-    ctx = context.context()
     if host_memory_pinned():
         return
+    ctx = context.context()
     if ctx._initialized:
         raise RuntimeError(
             "kvram.speed.pin_host_memory() must run before TensorFlow's first operation: "

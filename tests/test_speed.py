@@ -166,7 +166,8 @@ def test_prefetch_applies_to_datasets_on_a_device_and_keeps_the_data(monkeypatch
                         lambda kind=None: [cpu] if kind == "GPU" else [cpu])
     model = _model()
     assert model._prefetched(data) is not data
-    assert model._prefetched(np.ones((2, 3))) is not None  # arrays pass unchanged
+    array = np.ones((2, 3))
+    assert model._prefetched(array) is array  # arrays pass unchanged
     keras.utils.set_random_seed(0)
     a = _model(prefetch_to_gpu=None)
     keras.utils.set_random_seed(0)

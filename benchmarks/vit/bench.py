@@ -2,10 +2,11 @@
 
 Each configuration runs in its own process, on one synthetic batch of 224x224
 images (on the GPU for PyTorch; for TensorFlow held by `tf.data` on the host and
-copied to the GPU every step, as in benchmarks/resnet50/bench.py), with AdamW (lr 1e-4), and reports images/s over timed steps after
-warm-up, and the peak GPU memory allocated by the framework during them (TF:
-`get_memory_info(...)["peak"]`; PyTorch: `torch.cuda.max_memory_allocated()`;
-both include weights, gradients and optimizer state).
+copied to the GPU every step, as in benchmarks/resnet50/bench.py), with AdamW
+(lr 1e-4), and reports images/s over timed steps after warm-up, and the peak GPU
+memory allocated by the framework during them (TF: `get_memory_info(...)["peak"]`;
+PyTorch: `torch.cuda.max_memory_allocated()`; both include weights, gradients and
+optimizer state).
 
     python benchmarks/vit/bench.py --out results.json        # all configurations
     python benchmarks/vit/bench.py --only kvram --batch 256  # one
