@@ -12,20 +12,38 @@ Works on `keras.applications` models and any functional model with one input
 and one output. The rebuilt model calls the *same layer objects*, so it shares
 the original's variables (same weights, trained together).
 
-Still to come (issue 12): the memory and compute estimates per segment, the
-choice of segments for a memory budget (`plan`), and `kvram plan`.
+`plan(model, sample_batch, budget_bytes)` chooses which segments to recompute
+so that a training step fits a memory budget with the least recomputation:
+
+1. *Measure* one training step of the model as it is, on the device it will
+   train on (one compiled step, `tf.function` without XLA), with a probe at each
+   cut in the forward and in the backward pass that reads TensorFlow's allocator:
+   the bytes each segment leaves held for the backward pass, and the peak of
+   every stretch of the step.
+2. *Predict* the peak of any choice: checkpointing a run of segments frees what
+   those segments kept (less the one tensor the run hands on) for every later
+   part of the step, and costs one more forward pass of the run.
+3. *Choose* by an exact dynamic programme over the chain: the least
+   recomputation (forward FLOPs derived from the layers' shapes) whose predicted
+   peak fits the budget; with no budget, the least peak that checkpointing can
+   reach (the point Chen et al. 2016's square-root split aims at), with the
+   least recomputation that reaches it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import keras
+import numpy as np
+import tensorflow as tf
 
+from kvram import memory
 from kvram.layers.checkpoint import Checkpoint
 from kvram.model import Model
 
-__all__ = ["Segment", "segments", "rebuild"]
+__all__ = ["Segment", "segments", "rebuild", "plan", "Plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,3 +182,504 @@ def rebuild(model: keras.Model, groups, checkpoint) -> keras.Model:
         )
         x = (Checkpoint(part) if recompute else part)(x)
     return Model(inputs, x, name=f"{model.name}_remat")
+
+
+# ---------------------------------------------------------------------------
+# Measuring a training step, cut by cut.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Profile:
+    """One measured training step of the unmodified model (bytes beyond what
+    was allocated before the step; per segment, in chain order).
+
+    kept: bytes the forward pass of each segment left allocated (its saved
+        activations, and its output while the next segment runs).
+    need: the highest allocation while the segment's forward or backward pass ran.
+    recompute: the allocation a recomputation of runs ending at the segment
+        starts from: held when the gradient reached the segment's output, plus
+        the segment's forward transient (its forward peak above what it kept);
+        None where no gradient reaches it.
+    head: the highest allocation while the loss and its gradient ran.
+    output: bytes of each segment's output tensor.
+    flops: forward FLOPs of each segment (derived from layer shapes).
+    """
+
+    kept: tuple
+    need: tuple
+    recompute: tuple
+    transient: tuple
+    head: int
+    output: tuple
+    flops: tuple
+
+
+def _probe_step(parts, x, y, loss_fn, variables, device):
+    """The training step of `parts` chained, with allocator probes at each cut.
+
+    Returns (a tf.function, the dict its probes write into). A probe is a
+    `tf.py_function` ordered by control dependencies after the tensor it marks
+    (forward: a segment's output; backward: the gradient reaching it); it
+    records the allocator's current and peak bytes, then resets the peak, so
+    each probe's peak covers the stretch since the previous one.
+    """
+    records = {}
+
+    def reader(key):
+        def read():
+            info = tf.config.experimental.get_memory_info(device)
+            records[key] = (int(info["current"]), int(info["peak"]))
+            tf.config.experimental.reset_memory_stats(device)
+            return np.int32(0)
+
+        return read
+
+    def mark(tensor, key):
+        with tf.control_dependencies([tensor]):
+            done = tf.py_function(reader(key), [], tf.int32)
+        with tf.control_dependencies([done]):
+            return tf.identity(tensor)
+
+    def probe(tensor, index):
+        @tf.custom_gradient
+        def identity(t):
+            return mark(t, ("forward", index)), lambda dy: mark(dy, ("backward", index))
+
+        return identity(tensor)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            h = x
+            for index, part in enumerate(parts):
+                h = probe(part(h, training=True), index)
+            loss = loss_fn(y, h)
+        gradients = [g for g in tape.gradient(loss, variables) if g is not None]
+        with tf.control_dependencies(gradients):
+            done = tf.py_function(reader(("end",)), [], tf.int32)
+        # Returned, as a training step holds them until the optimizer applies them.
+        return gradients, done
+
+    return step, records
+
+
+def _profile(model, chain, x, y, loss_fn, device):
+    parts = [keras.Model(s.input, s.output, name=f"{model.name}_segment{s.index}") for s in chain]
+    step, records = _probe_step(parts, x, y, loss_fn, model.trainable_variables, device)
+    step()  # the first run also allocates what the runtime keeps (kernel caches)
+    records.clear()
+    tf.config.experimental.reset_memory_stats(device)
+    base = int(tf.config.experimental.get_memory_info(device)["current"])
+    step()
+    n = len(chain)
+    current = [records[("forward", i)][0] - base for i in range(n)]
+    kept = [current[0]] + [current[i] - current[i - 1] for i in range(1, n)]
+    forward_peak = [records[("forward", i)][1] - base for i in range(n)]
+    # The probe on the gradient reaching segment i's output closes the stretch
+    # in which segment i + 1's backward ran; no probe fires where no gradient is
+    # needed (a stem without weights), so a stretch may cover several segments.
+    closing = [("end",)] + [("backward", i) for i in range(n - 1)]
+    backward_peak = []
+    for i in range(n):
+        j = i
+        while closing[j] not in records:
+            j -= 1
+        backward_peak.append(records[closing[j]][1] - base)
+    head = records[("backward", n - 1)][1] - base
+    held = [
+        records[("backward", i)][0] - base if ("backward", i) in records else None for i in range(n)
+    ]
+    batch = int(x.shape[0])
+    output = [batch * _elements(s.output) * np.dtype(s.output.dtype).itemsize for s in chain]
+    return _Profile(
+        kept=tuple(kept),
+        need=tuple(max(f, b) for f, b in zip(forward_peak, backward_peak)),
+        recompute=tuple(held),
+        transient=tuple(p - c for p, c in zip(forward_peak, current)),
+        head=head,
+        output=tuple(output),
+        flops=tuple(batch * _segment_flops(model, s) for s in chain),
+    )
+
+
+def _elements(tensor) -> int:
+    return int(math.prod(d for d in tensor.shape[1:]))
+
+
+def _segment_flops(model, segment) -> int:
+    """Forward FLOPs of one sample through `segment`: 2 per multiply-add of the
+    layers with kernels (convolutions, dense, depthwise: output elements times
+    the kernel's inputs per output), one per output element for the rest."""
+    called = set(segment.layers)
+    flops = 0
+    for node in _ordered_nodes(model):
+        layer = node.operation
+        if layer.name not in called:
+            continue
+        out = sum(_elements(t) for t in node.outputs)
+        channels = int(node.outputs[0].shape[-1] or 1)
+        kernel = getattr(layer, "kernel", None)
+        if kernel is not None and len(kernel.shape) >= 2:
+            macs = out * math.prod(kernel.shape) // channels
+        else:
+            inner = [
+                v
+                for v in getattr(layer, "trainable_weights", ())
+                if v.name.endswith("kernel") and len(v.shape) >= 2
+            ]
+            macs = (out // channels) * sum(math.prod(v.shape) for v in inner)
+        flops += 2 * macs + out
+    return flops
+
+
+# ---------------------------------------------------------------------------
+# Predicting a choice's peak, and choosing.
+
+
+def _runs(checkpointed):
+    """[(first, last)] of the runs of consecutive True entries."""
+    runs, start = [], None
+    for i, flag in enumerate(list(checkpointed) + [False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i - 1))
+            start = None
+    return runs
+
+
+def _saving(profile, first, last) -> int:
+    """Bytes freed for the rest of the step by recomputing segments first..last:
+    what they kept, less their output, which stays for the next segment."""
+    return sum(profile.kept[first : last + 1]) - profile.output[last]
+
+
+def _run_need(profile, first, last) -> int:
+    """The highest allocation while a checkpointed run first..last runs, before
+    the savings of earlier runs: what its segments needed unmodified, or its
+    recomputation, which starts when the gradient reaches its output (the
+    later segments' weight gradients are held then, unlike in the forward pass)
+    and adds the largest forward transient of its segments."""
+    need = max(profile.need[first : last + 1])
+    if profile.recompute[last] is None:
+        return need
+    return max(need, profile.recompute[last] + max(profile.transient[first : last + 1]))
+
+
+def _predict(profile, runs) -> int:
+    """Predicted step peak (bytes beyond the step's start) when each run
+    (first, last) of segments is one `Checkpoint`. A segment's stretch of the
+    step holds what it held unmodified, less the savings of the runs that end
+    before it (a checkpointed run's own activations are all back while its
+    backward pass runs)."""
+    peak, saved, r = 0, 0, 0
+    n = len(profile.need)
+    i = 0
+    while i < n:
+        if r < len(runs) and runs[r][0] == i:
+            first, last = runs[r]
+            peak = max(peak, _run_need(profile, first, last) - saved)
+            saved += _saving(profile, first, last)
+            r, i = r + 1, last + 1
+        else:
+            peak = max(peak, profile.need[i] - saved)
+            i += 1
+    return max(peak, profile.head - saved)
+
+
+def _choose(profile, budget):
+    """The runs with the least recomputed FLOPs whose predicted peak is within
+    `budget` (bytes beyond the step's start), or None. Exact: a dynamic
+    programme over the chain keeping, after each prefix, the Pareto front of
+    (recomputed FLOPs, bytes saved so far)."""
+    n = len(profile.need)
+    # front[j]: states after deciding segments 0..j-1: (flops, saved, runs)
+    front = [[] for _ in range(n + 1)]
+    front[0] = [(0, 0, ())]
+    for j in range(n):
+        front[j] = _pareto(front[j])
+        for flops, saved, runs in front[j]:
+            if profile.need[j] - saved <= budget:
+                front[j + 1].append((flops, saved, runs))
+            worst, cost = 0, 0
+            for k in range(j, n):
+                worst = max(worst, profile.need[k])
+                cost += profile.flops[k]
+                if worst - saved > budget:
+                    break  # every longer run needs at least as much
+                gain = _saving(profile, j, k)
+                if gain > 0 and _run_need(profile, j, k) - saved <= budget:
+                    front[k + 1].append((flops + cost, saved + gain, runs + ((j, k),)))
+    done = [s for s in _pareto(front[n]) if profile.head - s[1] <= budget]
+    return min(done, key=lambda s: s[0])[2] if done else None
+
+
+def _pareto(states):
+    """States not beaten by another with no more FLOPs and at least as much saved."""
+    kept, best = [], -1
+    for state in sorted(states, key=lambda s: (s[0], -s[1])):
+        if state[1] > best:
+            kept.append(state)
+            best = state[1]
+    return kept
+
+
+def _minimum(profile) -> int:
+    """The least predicted step peak any choice reaches (bisection on the
+    budget; each test is the largest saving reachable, greedy-exact on the
+    chain)."""
+
+    def feasible(budget):
+        best = [-1] * (n + 1)
+        best[0] = 0
+        for j in range(n):
+            saved = best[j]
+            if saved < 0:
+                continue
+            if profile.need[j] - saved <= budget:
+                best[j + 1] = max(best[j + 1], saved)
+            worst = 0
+            for k in range(j, n):
+                worst = max(worst, profile.need[k])
+                if worst - saved > budget:
+                    break
+                if _run_need(profile, j, k) - saved <= budget:
+                    best[k + 1] = max(best[k + 1], saved + max(0, _saving(profile, j, k)))
+        return best[n] >= 0 and profile.head - best[n] <= budget
+
+    n = len(profile.need)
+    low, high = 0, _predict(profile, [])
+    while high - low > max(1, high // 2000):
+        middle = (low + high) // 2
+        if feasible(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+# ---------------------------------------------------------------------------
+# The plan.
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+@dataclasses.dataclass
+class Plan:
+    """Which segments of a model to recompute, and what that is predicted to
+    cost. Made by `plan`; `apply()` builds the model; `str(plan)` is a table.
+
+    Byte counts are totals for training: `resident_bytes` (the model's
+    variables, the optimizer's, the batch) plus the training step's peak.
+
+    Attributes:
+        model: the model planned for.
+        segments: `segments(model)`.
+        runs: (first, last) segment indices of each run recomputed as one
+            `Checkpoint`.
+        budget_bytes: the budget asked for (None: least memory).
+        resident_bytes: variables of the model and optimizer, and the batch.
+        batch_size: rows of the batch planned for.
+        predicted_peak_bytes: predicted peak with this plan.
+        plain_peak_bytes: measured peak of the unmodified model's step.
+        minimum_peak_bytes: least predicted peak any plan reaches.
+        recompute_fraction: predicted extra compute, as a fraction of the
+            unmodified step's (forward and backward taken as 3 forward passes).
+    """
+
+    model: keras.Model
+    segments: list
+    runs: tuple
+    budget_bytes: int | None
+    resident_bytes: int
+    batch_size: int
+    predicted_peak_bytes: int
+    plain_peak_bytes: int
+    minimum_peak_bytes: int
+    recompute_fraction: float
+    profile: _Profile = dataclasses.field(repr=False)
+
+    def with_budget(self, budget_bytes) -> "Plan":
+        """The plan for another budget (None: least memory), from the same
+        measurement (no step is run)."""
+        return _plan_for(
+            self.model, self.segments, self.profile, self.resident_bytes,
+            _check_budget(budget_bytes), self.batch_size,
+        )
+
+    def predict(self, runs) -> int:
+        """Predicted peak (total bytes) if `runs` were recomputed instead."""
+        return self.resident_bytes + _predict(self.profile, list(runs))
+
+    def groups(self):
+        """(groups, checkpoint flags) for `rebuild`: each run recomputed, the
+        segments between runs kept plain in one group each."""
+        groups, flags, i = [], [], 0
+        for first, last in list(self.runs) + [(len(self.segments), None)]:
+            if i < first:
+                groups.append(list(range(i, first)))
+                flags.append(False)
+            if last is not None:
+                groups.append(list(range(first, last + 1)))
+                flags.append(True)
+                i = last + 1
+        return groups, flags
+
+    def apply(self) -> Model:
+        """A `kvram.Model` computing the same function as `model` on the
+        **same variables** (the same weights, trained together; no copies),
+        with each planned run under `kvram.layers.Checkpoint`."""
+        return rebuild(self.model, *self.groups())
+
+    def __str__(self) -> str:
+        recomputed = {i for first, last in self.runs for i in range(first, last + 1)}
+        p = self.profile
+        rows = [
+            f"kvram.remat plan for {self.model.name!r}: {len(self.segments)} segments, "
+            f"{len(self.runs)} recomputed run(s)",
+            f"{'seg':>4}  {'layers':<44} {'kept MiB':>9} {'output MiB':>10} {'GFLOP':>7}  recompute",
+        ]
+        for s in self.segments:
+            names = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
+            rows.append(
+                f"{s.index:>4}  {names[:44]:<44} {_mib(p.kept[s.index]):>9} "
+                f"{_mib(p.output[s.index]):>10} {p.flops[s.index] / 1e9:>7.2f}  "
+                f"{'yes' if s.index in recomputed else ''}"
+            )
+        budget = "none (least memory)" if self.budget_bytes is None else f"{_mib(self.budget_bytes)} MiB"
+        rows += [
+            f"budget: {budget}; resident (variables, optimizer, batch): "
+            f"{_mib(self.resident_bytes)} MiB",
+            f"peak: plain {_mib(self.plain_peak_bytes)} MiB (measured), planned "
+            f"{_mib(self.predicted_peak_bytes)} MiB (predicted), least possible "
+            f"{_mib(self.minimum_peak_bytes)} MiB",
+            f"extra compute: {100 * self.recompute_fraction:.1f}% of a training step (predicted)",
+        ]
+        return "\n".join(rows)
+
+
+def _batch(sample_batch):
+    if isinstance(sample_batch, (tuple, list)):
+        if not 1 <= len(sample_batch) <= 3:
+            raise ValueError(
+                "sample_batch must be x or a tuple (x, y) or (x, y, sample_weight). "
+                f"Received a {type(sample_batch).__name__} of {len(sample_batch)} items."
+            )
+        x, y = sample_batch[0], (sample_batch[1] if len(sample_batch) > 1 else None)
+    else:
+        x, y = sample_batch, None
+    x = tf.convert_to_tensor(x)
+    if x.shape.rank is None or x.shape.rank < 1 or x.shape[0] == 0:
+        raise ValueError(f"sample_batch's x must have a batch dimension of >= 1 rows. Received shape {x.shape}.")
+    return x, (None if y is None else tf.convert_to_tensor(y))
+
+
+def _loss_function(model, loss):
+    if loss is None:
+        loss = getattr(model, "loss", None)
+    if loss is None:
+        return lambda y, out: 0.5 * tf.reduce_mean(tf.square(tf.cast(out, "float32")))
+    loss = keras.losses.get(loss)
+    return lambda y, out: tf.reduce_mean(loss(y, tf.cast(out, "float32")))
+
+
+def _optimizer_bytes(model, optimizer) -> int:
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if not optimizer.built:
+        # A fresh copy of it, built on the model's variables to count its state.
+        optimizer = optimizer.__class__.from_config(optimizer.get_config())
+        optimizer.build(model.trainable_variables)
+    return sum(_nbytes(v) for v in optimizer.variables)
+
+
+def _nbytes(variable) -> int:
+    return int(math.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+
+
+def _check_budget(budget_bytes):
+    if budget_bytes is None:
+        return None
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or not budget_bytes > 0:
+        raise ValueError(
+            f"budget_bytes must be a positive number of bytes or None. Received: {budget_bytes!r}"
+        )
+    return int(budget_bytes)
+
+
+def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None) -> Plan:
+    """Chooses the segments of `model` to recompute so that training fits
+    `budget_bytes`, with the least recomputation (see the module docstring).
+
+    Runs one measured training step of `model` on `sample_batch` (on the
+    default device: the GPU when there is one); its variables are read, not
+    changed, except BatchNormalization's moving statistics and seed states,
+    which advance as in one training step.
+
+    Args:
+        model: a functional Keras model (see `segments`).
+        sample_batch: x, or (x, y), at the batch size that will be trained.
+        budget_bytes: the most memory training may use on the device, counting
+            the variables of the model and the optimizer, the batch and the
+            step's peak. None: the least memory checkpointing can reach.
+        loss: the training loss (a Keras loss name or callable); default the
+            model's compiled loss, else a mean square of the outputs (the loss
+            changes activation memory only by its own temporaries).
+        optimizer: the optimizer (instance or name) whose state to count;
+            default the model's compiled one, else none.
+
+    Returns:
+        A `Plan`; `plan(...).apply()` is the model to train.
+
+    Raises:
+        TypeError, ValueError: a model that cannot be cut (see `segments`), a
+            malformed batch, or a budget that is not a positive number of bytes
+            or below the least this model can reach (the message gives it).
+    """
+    model = _functional(model)
+    chain = _chain(model)
+    budget_bytes = _check_budget(budget_bytes)
+    x, y = _batch(sample_batch)
+    profile = _profile(model, chain, x, y, _loss_function(model, loss), memory._device_name(None))
+    resident = (
+        sum(_nbytes(v) for v in model.variables)
+        + _optimizer_bytes(model, optimizer)
+        + sum(int(np.prod(t.shape)) * t.dtype.size for t in (x, y) if t is not None)
+    )
+    return _plan_for(model, chain, profile, resident, budget_bytes, int(x.shape[0]))
+
+
+def _plan_for(model, chain, profile, resident, budget_bytes, batch) -> Plan:
+    least = _minimum(profile)
+    if budget_bytes is None:
+        runs = _choose(profile, least)
+    else:
+        if budget_bytes - resident < least:
+            raise ValueError(
+                f"budget_bytes={budget_bytes:,} ({_mib(budget_bytes)} MiB) is below the least "
+                f"memory this model can train in at batch {batch}: {resident + least:,} bytes "
+                f"({_mib(resident + least)} MiB: {_mib(resident)} MiB of variables, optimizer "
+                f"state and batch, and a step peak of {_mib(least)} MiB with checkpointing). "
+                "Allowed: budget_bytes >= that; or a smaller batch, or mixed precision."
+            )
+        runs = _choose(profile, budget_bytes - resident)
+    runs = tuple(runs)
+    total = sum(profile.flops)
+    return Plan(
+        model=model,
+        segments=chain,
+        runs=runs,
+        budget_bytes=budget_bytes,
+        resident_bytes=resident,
+        batch_size=batch,
+        predicted_peak_bytes=resident + _predict(profile, list(runs)),
+        plain_peak_bytes=resident + _predict(profile, []),
+        minimum_peak_bytes=resident + least,
+        recompute_fraction=sum(profile.flops[i] for a, b in runs for i in range(a, b + 1)) / (3 * total),
+        profile=profile,
+    )

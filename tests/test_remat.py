@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import kvram
 from kvram import remat
-from tests.helpers import max_rel_diff, run_with_peak
+from tests.helpers import max_rel_diff, run_with_peak, values
 
 FAMILIES = {
     "resnet50": lambda: keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10),
@@ -165,3 +165,145 @@ def test_checkpointing_every_square_root_group_lowers_the_peak():
     plain, checkpointed = _step_peak(model, x, y), _step_peak(rebuilt, x, y)
     print(f"step peak: plain {plain / 2**20:.1f} MiB, checkpointed {checkpointed / 2**20:.1f} MiB")
     assert checkpointed < 0.9 * plain, (plain, checkpointed)
+
+
+# ---------------------------------------------------------------------------
+# plan: choosing the segments for a memory budget.
+
+# Batches where activations outweigh the weights, as in GPU training (the
+# planner can only save activation memory: weights and their gradients stay).
+PLAN_FAMILIES = {
+    "efficientnet_b0": (lambda: keras.applications.EfficientNetB0(weights=None, input_shape=(64, 64, 3), classes=10), 32),
+    "densenet121": (lambda: keras.applications.DenseNet121(weights=None, input_shape=(64, 64, 3), classes=10), 32),
+    "mobilenet_v3_small": (lambda: keras.applications.MobileNetV3Small(weights=None, input_shape=(64, 64, 3), classes=10), 64),
+    "convnext_tiny": (lambda: keras.applications.ConvNeXtTiny(weights=None, input_shape=(64, 64, 3), classes=10), 64),
+}
+_LOSS = "sparse_categorical_crossentropy"
+
+
+def _training_peak(model, x, y, resident):
+    """Measured peak of one training step (gradients held, as until the
+    optimizer applies them) plus what the plan counts as resident."""
+    return resident + _step_peak(model, x, y)
+
+
+@pytest.mark.parametrize("family", sorted(PLAN_FAMILIES))
+def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family):
+    make, batch = PLAN_FAMILIES[family]
+    keras.utils.set_random_seed(0)
+    model = make()
+    x = tf.constant(np.random.default_rng(0).random((batch, 64, 64, 3)).astype("float32"))
+    y = tf.constant(np.arange(batch) % 10)
+    least = remat.plan(model, (x, y), loss=_LOSS)
+    plain = _training_peak(model, x, y, least.resident_bytes)
+    assert abs(least.plain_peak_bytes - plain) <= 0.15 * plain, (least.plain_peak_bytes, plain)
+    low, high = least.minimum_peak_bytes, least.plain_peak_bytes
+    lines = [f"{family} batch {batch}: plain {plain / 2**20:.1f} MiB measured"]
+    for fraction in (None, 0.25, 0.5, 0.75):
+        budget = None if fraction is None else int(low + fraction * (high - low))
+        chosen = least.with_budget(budget)
+        measured = _training_peak(chosen.apply(), x, y, least.resident_bytes)
+        lines.append(
+            f"  budget {'none' if budget is None else f'{budget / 2**20:.1f} MiB'}: "
+            f"{len(chosen.runs)} runs, predicted {chosen.predicted_peak_bytes / 2**20:.1f}, "
+            f"measured {measured / 2**20:.1f} MiB, extra compute {chosen.recompute_fraction:.1%}"
+        )
+        assert abs(chosen.predicted_peak_bytes - measured) <= 0.15 * measured, lines
+        if budget is None:
+            assert measured <= 0.5 * plain, lines
+        else:
+            assert chosen.predicted_peak_bytes <= budget, lines
+            assert measured <= 1.10 * budget, lines
+    print("\n".join(lines))
+
+
+def _dropout_chain():
+    """A small functional model with residual blocks, BatchNormalization and Dropout."""
+    inputs = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(16, 3, padding="same", name="stem")(inputs)
+    for i in range(6):
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=f"conv{i}")(x)
+        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
+        h = keras.layers.Dropout(0.3, seed=i, name=f"drop{i}")(h)  # a seed, saved in the .keras file
+        x = keras.layers.Add(name=f"add{i}")([x, h])
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(x), name="chain")
+
+
+def test_plan_apply_is_the_same_model_on_the_same_variables():
+    keras.utils.set_random_seed(0)
+    model = _dropout_chain()
+    x = tf.constant(np.random.default_rng(0).random((32, 32, 32, 3)).astype("float32"))
+    y = np.arange(32) % 3
+    chosen = remat.plan(model, (x, y), loss=_LOSS)
+    assert chosen.runs, str(chosen)
+    rebuilt = chosen.apply()
+    assert isinstance(rebuilt, kvram.Model)
+    assert {id(v) for v in rebuilt.weights} == {id(v) for v in model.weights}
+    state = [tf.identity(v) for v in model.variables]
+    variables = model.trainable_variables
+    plain, checkpointed = _step(model, variables, state, x, y), _step(rebuilt, variables, state, x, y)
+    assert max_rel_diff(plain[:1], checkpointed[:1]) < 1e-5
+    assert max_rel_diff(plain[1:], checkpointed[1:], per_tensor=False) < 1e-5
+    table = str(chosen)
+    assert f"{len(chosen.segments)} segments" in table and "predicted" in table, table
+    assert table.count("yes") == sum(b - a + 1 for a, b in chosen.runs), table
+
+
+def test_planned_model_saves_and_loads_as_keras_file(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = _dropout_chain()
+    x = np.random.default_rng(0).random((32, 32, 32, 3)).astype("float32")
+    y = np.arange(32) % 3
+    rebuilt = remat.plan(model, (x, y), loss=_LOSS).apply()
+    rebuilt.compile(optimizer="adam", loss=_LOSS)
+    rebuilt.fit(x, y, epochs=1, verbose=0)
+    rebuilt.save(tmp_path / "planned.keras")
+    loaded = keras.models.load_model(tmp_path / "planned.keras")
+    assert isinstance(loaded, kvram.Model)
+    assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in rebuilt.layers]
+    assert max_rel_diff(rebuilt.predict(x, verbose=0)[None], loaded.predict(x, verbose=0)[None]) < 1e-6
+    # the weights and the optimizer's state come back; training goes on (the
+    # dropout seed states are not in a .keras file, so its masks differ)
+    assert max_rel_diff(rebuilt.get_weights(), loaded.get_weights(), per_tensor=False) == 0
+    assert max_rel_diff(
+        values(rebuilt.optimizer.variables), values(loaded.optimizer.variables), per_tensor=False
+    ) == 0
+    history = loaded.fit(x, y, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_plan_budget_below_the_least_says_the_least():
+    model = _dropout_chain()
+    x = np.zeros((32, 32, 32, 3), "float32")
+    chosen = remat.plan(model, x)
+    least = chosen.minimum_peak_bytes
+    with pytest.raises(ValueError, match=rf"below the least memory .* {least:,} bytes"):
+        chosen.with_budget(least - 4096)
+    with pytest.raises(ValueError, match=r"below the least memory"):
+        remat.plan(model, x, budget_bytes=1000)
+    assert chosen.with_budget(least).predicted_peak_bytes <= least
+
+
+@pytest.mark.parametrize("budget", [0, -5, "16GB", True, float("nan")])
+def test_plan_budget_must_be_positive_bytes(budget):
+    with pytest.raises(ValueError, match=r"budget_bytes must be a positive number of bytes or None. Received"):
+        remat.plan(_dropout_chain(), np.zeros((2, 32, 32, 3), "float32"), budget_bytes=budget)
+
+
+def test_plan_refuses_what_it_cannot_cut():
+    with pytest.raises(TypeError, match="Expected a functional keras.Model"):
+        remat.plan("resnet50", np.zeros((2, 8)))
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    with pytest.raises(ValueError, match="subclassed model"):
+        remat.plan(Subclassed(), np.zeros((2, 8), "float32"))
+    with pytest.raises(ValueError, match="sample_batch must be x or a tuple"):
+        remat.plan(_dropout_chain(), (1, 2, 3, 4))
