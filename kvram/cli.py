@@ -1,4 +1,4 @@
-"""The `kvram` command line: `kvram info`, `kvram demo`, `kvram shards write|inspect`."""
+"""The `kvram` command line: `kvram info`, `kvram demo`, `kvram plan`, `kvram shards write|inspect`."""
 
 from __future__ import annotations
 
@@ -139,6 +139,63 @@ def _shards_inspect(args) -> int:
     return 0
 
 
+def _model_builder(spec: str, input_shape, classes: int):
+    """A no-argument function building the model `spec` names (never downloading weights)."""
+    import importlib
+
+    import keras
+
+    if spec.endswith(".keras"):
+        if not os.path.exists(spec):
+            raise SystemExit(f"kvram plan: --model {spec}: no such file")
+        return lambda: keras.models.load_model(spec, compile=False)
+    if ":" in spec:
+        module_name, _, function_name = spec.partition(":")
+        try:
+            function = getattr(importlib.import_module(module_name), function_name)
+        except (ImportError, AttributeError) as error:
+            raise SystemExit(f"kvram plan: --model {spec}: cannot import it ({error})") from None
+        return function
+    name = spec.removeprefix("keras.applications.")
+    constructor = getattr(keras.applications, name, None)
+    if constructor is None or not callable(constructor) or name[:1].islower():
+        raise SystemExit(
+            f"kvram plan: --model {spec}: not a keras.applications model. Allowed: a "
+            "keras.applications name (ResNet50, keras.applications.ConvNeXtTiny, ...), a "
+            "path to a .keras file, or module:function returning a model."
+        )
+    if input_shape is None:
+        raise SystemExit("kvram plan: --input-shape is needed with a keras.applications model")
+    return lambda: constructor(weights=None, input_shape=input_shape, classes=classes)
+
+
+def _plan(args) -> int:
+    from kvram import plan
+
+    try:
+        memory_bytes = plan.parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    except ValueError as error:
+        raise SystemExit(f"kvram plan: --gpu-memory: {error}") from None
+    shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
+    build = _model_builder(args.model, shape, args.classes)
+    try:
+        found = plan.estimate(
+            build, args.batch_size, memory_bytes=memory_bytes, optimizer=args.optimizer,
+            precisions=tuple(args.precision.split(",")), margin=args.margin,
+        )
+    except ValueError as error:
+        raise SystemExit(f"kvram plan: {error}") from None
+    if args.measure and found.recommended is not None:
+        found.measured = plan.measure(
+            build, found.recommended, args.batch_size, optimizer=args.optimizer, steps=args.steps
+        )
+    print(found)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(found.to_json(), f, indent=2)
+    return 0 if found.recommended is not None else 1
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -161,6 +218,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=_positive, default=8192)
     demo.add_argument("--json", default=None, help="also write the results to this JSON file")
     demo.set_defaults(func=_demo)
+    planner = sub.add_parser(
+        "plan", help="will a model fit, and how: precision x checkpointing x micro-batch"
+    )
+    planner.add_argument(
+        "--model", required=True,
+        help="keras.applications name (ResNet50), a .keras file, or module:function",
+    )
+    planner.add_argument("--input-shape", default=None, help="e.g. 224,224,3 (keras.applications)")
+    planner.add_argument("--classes", type=_positive, default=1000)
+    planner.add_argument("--batch-size", type=_positive, required=True)
+    planner.add_argument("--optimizer", default="adam")
+    planner.add_argument("--gpu-memory", default=None, help="e.g. 48GB, 16GiB (default: the present GPU)")
+    planner.add_argument(
+        "--precision", default="mixed_bfloat16,mixed_float16,float32",
+        help="dtype policies to try, preferred first (comma-separated)",
+    )
+    planner.add_argument("--margin", type=float, default=0.10, help="fraction of memory kept free")
+    planner.add_argument("--measure", action="store_true",
+                         help="train the recommended configuration and plain Keras a few steps")
+    planner.add_argument("--steps", type=_positive, default=5, help="steps timed by --measure")
+    planner.add_argument("--json", default=None, help="also write the estimate to this JSON file")
+    planner.set_defaults(func=_plan)
     shards = sub.add_parser("shards", help="write or inspect .npy shard directories")
     shards_sub = shards.add_subparsers(dest="shards_command", required=True)
     write = shards_sub.add_parser("write", help="SRC.npz | SRC.npy... OUT/: arrays to shards")

@@ -1,0 +1,316 @@
+"""Will it fit, and at what cost? `kvram.plan.estimate` and `kvram plan`.
+
+For each precision policy and micro-batch size, one model is built and its
+training step is measured cut by cut (`kvram.remat.plan`'s measurement) at two
+small batches; every byte count is then extrapolated linearly in the rows of
+a slice (activations grow with the rows, variables do not), so a model whose
+plain step would not fit the device can still be planned. For each
+configuration the table gives the predicted peak without checkpointing, with
+the least recomputation that fits the memory (less a margin), and with the
+least memory, and the predicted step time relative to the same configuration
+without checkpointing (recomputed FLOPs; what precision and micro-batching do
+to speed depends on the GPU and is measured by `--measure`).
+
+The recommended configuration is the first that fits in this order: mixed
+precision before float32 (the order of `precisions`), whole batches before
+micro-batches (fewer slices first), then the least recomputation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kvram import memory, remat
+
+__all__ = ["estimate", "Estimate", "Configuration", "parse_bytes"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text) -> int:
+    """'48GB' -> 48e9, '16GiB' -> 16 * 2**30, '1024' -> 1024 bytes."""
+    raw = str(text).strip().upper().replace(" ", "")
+    number = raw.rstrip("KMGTIB")
+    unit = raw[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value > 0:
+        raise ValueError(
+            f"A memory size must be a positive number with an optional unit (B, KB, MB, GB, TB, "
+            f"KiB, MiB, GiB, TiB), like 48GB or 16GiB. Received: {text!r}"
+        )
+    return int(value * _UNITS[unit])
+
+
+@dataclasses.dataclass
+class Configuration:
+    """One row of the estimate (bytes are totals on the device)."""
+
+    precision: str
+    micro_batch_size: int | None
+    remat: str  # "none", "fit" (least recomputation within the memory), "least"
+    predicted_peak_bytes: int
+    relative_step_time: float
+    fits: bool
+    plan: remat.Plan | None = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass
+class Estimate:
+    """What `estimate` found: every configuration, and the recommended one."""
+
+    memory_bytes: int
+    margin: float
+    batch_size: int
+    configurations: list
+    recommended: Configuration | None
+    measured: dict | None = None
+
+    def to_json(self) -> dict:
+        rows = [
+            {k: v for k, v in dataclasses.asdict(c).items() if k != "plan"}
+            | {"runs": [list(r) for r in c.plan.runs] if c.plan else [],
+               "recommended": c is self.recommended}
+            for c in self.configurations
+        ]
+        return {"memory_bytes": self.memory_bytes, "margin": self.margin,
+                "batch_size": self.batch_size, "configurations": rows, "measured": self.measured}
+
+    def __str__(self) -> str:
+        rows = [
+            f"batch {self.batch_size}; device memory {_size(self.memory_bytes)}, planned within "
+            f"{_size((1 - self.margin) * self.memory_bytes)} (margin {self.margin:.0%})",
+            f"{'precision':<16} {'micro-batch':>11} {'remat':>6} {'peak':>10} {'rel. time':>9}  fits",
+        ]
+        for c in self.configurations:
+            mark = "  <- recommended" if c is self.recommended else ""
+            rows.append(
+                f"{c.precision:<16} {c.micro_batch_size or '-':>11} {c.remat:>6} "
+                f"{_size(c.predicted_peak_bytes):>10} {c.relative_step_time:>9.3f}  "
+                f"{'yes' if c.fits else 'no'}{mark}"
+            )
+        if self.recommended is None:
+            rows.append("nothing fits: use a smaller batch (or more micro-batches)")
+        if self.measured:
+            m, plain = self.measured, self.measured["plain"]
+            rows.append(
+                f"measured, {m['steps']} steps on {m['device']}: recommended {_run(m)}, predicted "
+                f"peak {_size(self.recommended.predicted_peak_bytes)}; plain Keras {_run(plain)}"
+            )
+        return "\n".join(rows)
+
+
+def _size(n) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _run(result) -> str:
+    if result.get("error"):
+        return result["error"]
+    return f"peak {_size(result['peak_bytes'])}, {result['samples_per_second']:.1f} samples/s"
+
+
+def _scaled(low, high, rows_low, rows_high, rows):
+    """Each field of two `_Profile`s extrapolated linearly to `rows`."""
+    t = (rows - rows_low) / (rows_high - rows_low)
+
+    def line(a, b):
+        if a is None or b is None:
+            return None
+        return int(round(a + (b - a) * t))
+
+    fields = {}
+    for field in dataclasses.fields(low):
+        a, b = getattr(low, field.name), getattr(high, field.name)
+        fields[field.name] = tuple(line(u, v) for u, v in zip(a, b)) if isinstance(a, tuple) else line(a, b)
+    return dataclasses.replace(low, **fields)
+
+
+def _nbytes(variables) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
+def estimate(
+    build,
+    batch_size: int,
+    *,
+    memory_bytes: int | None = None,
+    optimizer="adam",
+    loss=None,
+    precisions=("mixed_bfloat16", "mixed_float16", "float32"),
+    micro_batch_sizes=None,
+    margin: float = 0.10,
+    probe_rows=None,
+):
+    """Predicted memory of every configuration (precision x checkpointing x
+    micro-batch size) of a model, and the recommended one.
+
+    Args:
+        build: a function of no arguments returning the functional model; it is
+            called once per precision with that global dtype policy set.
+        batch_size: rows of the batch to train.
+        memory_bytes: device memory to fit (default: the present GPU's total,
+            else required).
+        optimizer: the optimizer (name or instance) whose state is counted.
+        loss: training loss (see `kvram.remat.plan`).
+        precisions: dtype policies to try, in order of preference.
+        micro_batch_sizes: slice sizes to try besides whole batches (default:
+            the batch halved and quartered).
+        margin: fraction of `memory_bytes` kept free.
+        probe_rows: the two batch sizes measured (default: batch/8 and batch/4,
+            at least 1 and 2).
+
+    Returns:
+        An `Estimate`.
+    """
+    if memory_bytes is None:
+        memory_bytes = _device_total()
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1). Received: {margin!r}")
+    if batch_size < 2:
+        raise ValueError(f"batch_size must be >= 2. Received: {batch_size!r}")
+    if micro_batch_sizes is None:
+        micro_batch_sizes = sorted({m for m in (batch_size // 2, batch_size // 4) if 1 <= m < batch_size}, reverse=True)
+    low_rows, high_rows = probe_rows or (max(1, batch_size // 8), max(2, batch_size // 4))
+    if not 1 <= low_rows < high_rows:
+        raise ValueError(f"probe_rows must be two increasing sizes >= 1. Received: {probe_rows!r}")
+    limit = int(memory_bytes * (1 - margin))
+    previous = keras.config.dtype_policy().name
+    configurations, done = [], set()
+    try:
+        for precision in precisions:
+            keras.config.set_dtype_policy(precision)
+            model = build()
+            precision = _policy(model)  # a loaded .keras model keeps its own
+            if precision in done:
+                continue
+            done.add(precision)
+            chain = remat.segments(model)
+            shape = tuple(model.inputs[0].shape[1:])
+            profiles = [
+                _measure(model, chain, shape, rows, loss) for rows in (low_rows, high_rows)
+            ]
+            weights = _nbytes(model.variables)
+            state = remat._optimizer_bytes(model, optimizer)
+            sample = int(np.prod(shape)) * 4 + 8  # float32 input and an int64 label per row
+            for micro in [None] + list(micro_batch_sizes):
+                rows = micro or batch_size
+                profile = _scaled(*profiles, low_rows, high_rows, rows)
+                # Micro-batches accumulate gradients in float32 beside the slice's own.
+                accumulators = _nbytes(model.trainable_variables) if micro else 0
+                resident = weights + state + sample * batch_size + accumulators
+                base = remat._plan_for(model, chain, profile, resident, None, rows)
+                rows_here = [("none", [], None)]
+                if base.plain_peak_bytes > limit >= base.minimum_peak_bytes:
+                    rows_here.append(("fit", None, base.with_budget(limit)))
+                rows_here.append(("least", None, base))
+                for name, runs, chosen in rows_here:
+                    peak = base.plain_peak_bytes if chosen is None else chosen.predicted_peak_bytes
+                    extra = 0.0 if chosen is None else chosen.recompute_fraction
+                    configurations.append(
+                        Configuration(precision, micro, name, peak, 1.0 + extra, peak <= limit, chosen)
+                    )
+    finally:
+        keras.config.set_dtype_policy(previous)
+    fitting = [c for c in configurations if c.fits]
+    order = {}
+    for c in configurations:
+        order.setdefault(c.precision, len(order))
+    recommended = min(
+        fitting,
+        key=lambda c: (order[c.precision], 0 if c.micro_batch_size is None else batch_size // c.micro_batch_size,
+                       c.relative_step_time),
+        default=None,
+    )
+    return Estimate(memory_bytes, margin, batch_size, configurations, recommended)
+
+
+def _policy(model) -> str:
+    """The dtype policy most of `model`'s layers compute in."""
+    names = [layer.dtype_policy.name for layer in model._flatten_layers(include_self=False)]
+    return max(set(names), key=names.count) if names else keras.config.dtype_policy().name
+
+
+def _measure(model, chain, shape, rows, loss):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.random((rows, *shape)).astype("float32"))
+    classes = int(model.outputs[0].shape[-1] or 1)
+    y = tf.constant(rng.integers(0, classes, rows))
+    return remat._profile(
+        model, chain, x, y, remat._loss_function(model, loss), memory._device_name(None)
+    )
+
+
+def _fresh(optimizer):
+    """A new optimizer like `optimizer` (a name or an instance), unbuilt."""
+    if isinstance(optimizer, str):
+        return keras.optimizers.get(optimizer)
+    return optimizer.__class__.from_config(optimizer.get_config())
+
+
+def _device_total() -> int:
+    if not tf.config.list_logical_devices("GPU"):
+        raise ValueError("No GPU is visible: give the memory to plan for (memory_bytes, --gpu-memory 48GB).")
+    monitor = memory.MemoryMonitor("GPU:0")
+    total = monitor.snapshot().get("nvml_total_bytes")
+    if total is None:
+        raise ValueError(f"Could not read the GPU's memory ({monitor.nvml_note}): give --gpu-memory.")
+    return int(total)
+
+
+def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, steps=5):
+    """Trains `configuration` (and plain Keras) for `steps` batches of random
+    data on the present device: peak bytes and samples/s of each."""
+    device = memory._device_name(None)
+    previous = keras.config.dtype_policy().name
+    keras.config.set_dtype_policy(configuration.precision)
+    try:
+        results = {"device": device, "steps": steps}
+        for kind in ("kvram", "plain"):
+            model = build()
+            shape = tuple(model.inputs[0].shape[1:])
+            classes = int(model.outputs[0].shape[-1] or 1)
+            rng = np.random.default_rng(0)
+            # One batch on the device, repeated: the data's own size stays one batch.
+            batch = (
+                tf.constant(rng.random((batch_size, *shape)).astype("float32")),
+                tf.constant(rng.integers(0, classes, batch_size)),
+            )
+            loss_name = loss or "sparse_categorical_crossentropy"
+            if kind == "kvram":
+                chosen = configuration.plan
+                chain = remat.segments(model)
+                groups, flags = chosen.groups() if chosen is not None else ([list(range(len(chain)))], [False])
+                trained = remat.rebuild(model, groups, flags)
+                trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
+                trained.micro_batch_size = configuration.micro_batch_size
+            else:
+                trained = model
+                trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
+            try:
+                trained.fit(tf.data.Dataset.from_tensors(batch), verbose=0)  # builds, compiles
+                memory.reset_peak(device)
+                start = time.perf_counter()
+                trained.fit(tf.data.Dataset.from_tensors(batch).repeat(steps), verbose=0)
+                seconds = time.perf_counter() - start
+                entry = {"peak_bytes": memory.peak_bytes(device), "samples_per_second": steps * batch_size / seconds}
+            except tf.errors.ResourceExhaustedError:
+                entry = {"peak_bytes": None, "samples_per_second": None, "error": "out of memory"}
+            if kind == "kvram":
+                results.update(entry)
+            else:
+                results["plain"] = entry
+            del model, trained
+            gc.collect()
+        return results
+    finally:
+        keras.config.set_dtype_policy(previous)

@@ -1,0 +1,117 @@
+"""kvram.plan.estimate and `kvram plan` (issue 12): will a model fit, and how."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+from kvram import cli, plan, remat
+
+
+def small_model():
+    """Residual conv blocks at 32x32 (a `module:function` for `kvram plan --model`)."""
+    inputs = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(16, 3, padding="same", name="stem")(inputs)
+    for i in range(6):
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=f"conv{i}")(x)
+        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
+        x = keras.layers.Add(name=f"add{i}")([x, h])
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(x), name="small")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("48GB", 48 * 10**9), ("16GiB", 16 * 2**30), ("1024", 1024), ("1.5 MiB", 3 * 2**19), ("80gb", 80 * 10**9)],
+)
+def test_parse_bytes(text, expected):
+    assert plan.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "-5GB", "0", "12XB", ""])
+def test_parse_bytes_says_what_is_allowed(text):
+    with pytest.raises(ValueError, match=r"positive number with an optional unit .* Received"):
+        plan.parse_bytes(text)
+
+
+def test_estimate_extrapolates_and_recommends_what_fits():
+    batch = 64
+    # the memory the full batch would need unmodified, measured directly
+    direct = remat.plan(
+        small_model(),
+        (np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32"), np.arange(batch) % 10),
+        optimizer="adam",
+    )
+    memory = (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
+    found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",), margin=0.0)
+    rows = {(c.micro_batch_size, c.remat): c for c in found.configurations}
+    assert set(rows) == {(None, "none"), (None, "fit"), (None, "least"), (32, "none"), (32, "least"),
+                         (16, "none"), (16, "least")}, rows
+    plain = rows[(None, "none")]
+    # measured at batches of 8 and 16, extrapolated to 64
+    assert abs(plain.predicted_peak_bytes - direct.plain_peak_bytes) <= 0.15 * direct.plain_peak_bytes
+    assert not plain.fits and rows[(None, "fit")].fits and rows[(None, "least")].fits
+    assert found.recommended is rows[(None, "fit")]  # whole batches first, then the least recomputation
+    assert rows[(None, "fit")].relative_step_time <= rows[(None, "least")].relative_step_time
+    assert rows[(16, "none")].predicted_peak_bytes < rows[(32, "none")].predicted_peak_bytes < plain.predicted_peak_bytes
+    text = str(found)
+    assert "<- recommended" in text and "float32" in text, text
+
+
+def test_estimate_measure_runs_the_recommendation_and_plain_keras():
+    found = plan.estimate(small_model, 32, memory_bytes=10 * 2**30, precisions=("float32",))
+    result = plan.measure(small_model, found.recommended, 32, steps=2)
+    assert result["steps"] == 2 and result["device"] == "CPU:0"
+    assert result["peak_bytes"] > 0 and result["samples_per_second"] > 0
+    assert result["plain"]["peak_bytes"] > 0 and result["plain"]["samples_per_second"] > 0
+    # predicted within 15% of what training used
+    assert abs(found.recommended.predicted_peak_bytes - result["peak_bytes"]) <= 0.15 * result["peak_bytes"]
+
+
+def test_estimate_with_nothing_that_fits():
+    found = plan.estimate(small_model, 32, memory_bytes=10**5, precisions=("float32",))
+    assert found.recommended is None and not any(c.fits for c in found.configurations)
+    assert "nothing fits" in str(found)
+
+
+def test_cli_plan_keras_applications_model(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = cli.main([
+        "plan", "--model", "keras.applications.MobileNetV3Small", "--input-shape", "32,32,3",
+        "--classes", "10", "--batch-size", "16", "--gpu-memory", "1GB", "--precision", "float32",
+        "--measure", "--steps", "2", "--json", str(out),
+    ])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "<- recommended" in printed and "measured, 2 steps on CPU:0" in printed, printed
+    report = json.loads(out.read_text())
+    assert sum(c["recommended"] for c in report["configurations"]) == 1
+    assert report["measured"]["plain"]["peak_bytes"] > 0
+
+
+def test_cli_plan_module_function_and_keras_file(tmp_path, capsys):
+    assert cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "16",
+                     "--gpu-memory", "1GB", "--precision", "float32"]) == 0
+    assert "<- recommended" in capsys.readouterr().out
+    path = tmp_path / "small.keras"
+    small_model().save(path)
+    assert cli.main(["plan", "--model", str(path), "--batch-size", "16", "--gpu-memory", "1GB"]) == 0
+    printed = capsys.readouterr().out
+    # a saved model keeps its own precision: one set of rows (3 slice sizes x none, least)
+    assert printed.count("float32") == 6, printed
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "ResNet50", "--input-shape", "32,32,3", "--gpu-memory", "lots"], "--gpu-memory: A memory size"),
+        (["--model", "NoSuchNet", "--input-shape", "32,32,3"], "not a keras.applications model"),
+        (["--model", "ResNet50"], "--input-shape is needed"),
+        (["--model", "missing.keras"], "no such file"),
+        (["--model", "no_such_module:f"], "cannot import it"),
+    ],
+)
+def test_cli_plan_bad_input(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["plan", "--batch-size", "8", *argv])
