@@ -267,15 +267,17 @@ def _device_total() -> int:
     return int(total)
 
 
-def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, steps=5):
-    """Trains `configuration` (and plain Keras) for `steps` batches of random
-    data on the present device: peak bytes and samples/s of each."""
+def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, steps=5, plain=True):
+    """Trains `configuration` (and, with `plain`, the unmodified Keras model)
+    for `steps` batches of random data on the present device, after one
+    batch that builds and compiles: peak bytes (total on the device) and
+    samples/s of each."""
     device = memory._device_name(None)
     previous = keras.config.dtype_policy().name
     keras.config.set_dtype_policy(configuration.precision)
     try:
         results = {"device": device, "steps": steps}
-        for kind in ("kvram", "plain"):
+        for kind in ("kvram", "plain") if plain else ("kvram",):
             model = build()
             shape = tuple(model.inputs[0].shape[1:])
             classes = int(model.outputs[0].shape[-1] or 1)

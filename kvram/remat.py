@@ -202,6 +202,7 @@ class _Profile:
         None where no gradient reaches it.
     head: the highest allocation while the loss and its gradient ran.
     output: bytes of each segment's output tensor.
+    input: bytes of the model's input batch.
     flops: forward FLOPs of each segment (derived from layer shapes).
     """
 
@@ -211,6 +212,7 @@ class _Profile:
     transient: tuple
     head: int
     output: tuple
+    input: int
     flops: tuple
 
 
@@ -267,11 +269,39 @@ def _profile(model, chain, x, y, loss_fn, device):
     parts = [keras.Model(s.input, s.output, name=f"{model.name}_segment{s.index}") for s in chain]
     step, records = _probe_step(parts, x, y, loss_fn, model.trainable_variables, device)
     step()  # the first run also allocates what the runtime keeps (kernel caches)
+    # The executor's order of independent ops, and so each stretch's peak, varies
+    # from step to step: the peaks are the highest of several steps, as the
+    # memory a training run needs is its highest step's.
+    # What segments keep is steadier: its median is taken.
+    runs = [_probe_run(step, records, device, len(chain)) for _ in range(_PROFILE_STEPS)]
+    kept, need, recompute, transient, heads = (list(zip(*field)) for field in zip(*runs))
+    kept = tuple(int(np.median(values)) for values in kept)
+    need, transient = (tuple(max(values) for values in field) for field in (need, transient))
+    recompute = tuple(None if None in values else max(values) for values in recompute)
+    (head,) = (max(values) for values in heads)
+    batch = int(x.shape[0])
+    output = [batch * _elements(s.output) * np.dtype(s.output.dtype).itemsize for s in chain]
+    return _Profile(
+        kept=kept,
+        need=need,
+        recompute=recompute,
+        transient=transient,
+        head=head,
+        output=tuple(output),
+        input=int(np.prod(x.shape)) * x.dtype.size,
+        flops=tuple(batch * _segment_flops(model, s) for s in chain),
+    )
+
+
+_PROFILE_STEPS = 3
+
+
+def _probe_run(step, records, device, n):
+    """One probed step: (kept, need, recompute, transient, head), see `_Profile`."""
     records.clear()
     tf.config.experimental.reset_memory_stats(device)
     base = int(tf.config.experimental.get_memory_info(device)["current"])
     step()
-    n = len(chain)
     current = [records[("forward", i)][0] - base for i in range(n)]
     kept = [current[0]] + [current[i] - current[i - 1] for i in range(1, n)]
     forward_peak = [records[("forward", i)][1] - base for i in range(n)]
@@ -285,20 +315,15 @@ def _profile(model, chain, x, y, loss_fn, device):
         while closing[j] not in records:
             j -= 1
         backward_peak.append(records[closing[j]][1] - base)
-    head = records[("backward", n - 1)][1] - base
     held = [
         records[("backward", i)][0] - base if ("backward", i) in records else None for i in range(n)
     ]
-    batch = int(x.shape[0])
-    output = [batch * _elements(s.output) * np.dtype(s.output.dtype).itemsize for s in chain]
-    return _Profile(
-        kept=tuple(kept),
-        need=tuple(max(f, b) for f, b in zip(forward_peak, backward_peak)),
-        recompute=tuple(held),
-        transient=tuple(p - c for p, c in zip(forward_peak, current)),
-        head=head,
-        output=tuple(output),
-        flops=tuple(batch * _segment_flops(model, s) for s in chain),
+    return (
+        kept,
+        [max(f, b) for f, b in zip(forward_peak, backward_peak)],
+        held,
+        [p - c for p, c in zip(forward_peak, current)],
+        [records[("backward", n - 1)][1] - base],
     )
 
 
@@ -363,7 +388,10 @@ def _run_need(profile, first, last) -> int:
     need = max(profile.need[first : last + 1])
     if profile.recompute[last] is None:
         return need
-    return max(need, profile.recompute[last] + max(profile.transient[first : last + 1]))
+    # tf.recompute_grad recomputes from two copies of the run's input (an
+    # identity, then an add that orders the recomputation after the gradient).
+    copies = 2 * (profile.output[first - 1] if first else profile.input)
+    return max(need, profile.recompute[last] + copies + max(profile.transient[first : last + 1]))
 
 
 def _predict(profile, runs) -> int:

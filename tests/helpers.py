@@ -21,16 +21,24 @@ def max_rel_diff(a, b, per_tensor: bool = True) -> float:
     return worst
 
 
-def run_with_peak(step, *args):
+def run_with_peak(step, *args, warm: bool = False, repeat: int = 1):
     """One call of the `tf.function` `step(*args)` (traced first, outside the
     measurement): its result, and its peak CPU allocation beyond what was
-    allocated before it."""
+    allocated before it. warm=True runs it once before, as in a training loop
+    after its first step (the runtime's one-time allocations then stay out);
+    repeat=n measures n calls, the highest of them (the order the executor
+    runs independent ops in varies from call to call)."""
     import kvram
 
     step.get_concrete_function(*args)
+    if warm:
+        step(*args)
     kvram.memory.reset_peak("CPU:0")
     start = kvram.memory.current_bytes("CPU:0")
-    result = step(*args)
+    result = None
+    for _ in range(repeat):
+        result = None  # the previous call's outputs are not held during the next
+        result = step(*args)
     return result, kvram.memory.peak_bytes("CPU:0") - start
 
 

@@ -1,0 +1,113 @@
+"""`kvram plan --measure` on the GPU (issue 12): predicted vs measured peak of
+the recommended configuration, under logical memory caps, for
+keras.applications models at a training batch.
+
+Each (model, cap) runs in its own process, with the GPU made a logical device
+of the cap's size (TensorFlow then cannot allocate beyond it) before
+TensorFlow starts. With --try-all, every configuration of the recommended
+precision that is predicted to fit is trained too, to find the fastest.
+
+    python benchmarks/plan/bench.py --model ResNet50 --cap 16GiB --cap 48GiB \\
+        --batch-size 256 --out plan_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import gpu_name  # noqa: E402
+
+
+def child(args) -> dict:
+    import tensorflow as tf
+
+    from kvram import plan
+
+    cap = plan.parse_bytes(args.cap)
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=cap // 2**20)]
+        )
+    import keras
+
+    constructor = getattr(keras.applications, args.model)
+
+    def build():
+        return constructor(weights=None, input_shape=(args.size, args.size, 3), classes=1000)
+
+    start = time.perf_counter()
+    found = plan.estimate(build, args.batch_size, memory_bytes=cap, precisions=tuple(args.precision.split(",")))
+    planned_s = time.perf_counter() - start
+    result = {"model": args.model, "cap": args.cap, "cap_bytes": cap, "batch_size": args.batch_size,
+              "plan_seconds": planned_s, "estimate": found.to_json()}
+    print(found, flush=True)
+    if found.recommended is None:
+        return result
+    result["recommended"] = plan.measure(build, found.recommended, args.batch_size, steps=args.steps)
+    print(json.dumps(result["recommended"]), flush=True)
+    if args.try_all:
+        tried = []
+        for c in found.configurations:
+            if c.fits and c.precision == found.recommended.precision and c is not found.recommended:
+                entry = plan.measure(build, c, args.batch_size, steps=args.steps, plain=False)
+                entry.update(micro_batch_size=c.micro_batch_size, remat=c.remat,
+                             predicted_peak_bytes=c.predicted_peak_bytes)
+                tried.append(entry)
+                print(json.dumps(entry), flush=True)
+        result["tried"] = tried
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", action="append", required=True)
+    parser.add_argument("--cap", action="append", required=True)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--precision", default="mixed_bfloat16,float32")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--try-all", action="store_true")
+    parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--out", default="plan.json")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.model, args.cap = args.model[0], args.cap[0]
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return
+    import keras
+    import tensorflow as tf
+
+    runs = []
+    for model in args.model:
+        for cap in args.cap:
+            command = [sys.executable, __file__, "--child", "--model", model, "--cap", cap,
+                       "--batch-size", str(args.batch_size), "--size", str(args.size),
+                       "--precision", args.precision, "--steps", str(args.steps)]
+            if args.try_all:
+                command.append("--try-all")
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+                lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+                entry = json.loads(lines[-1][7:]) if lines else {
+                    "model": model, "cap": cap, "error": (done.stderr or done.stdout)[-3000:]}
+            except subprocess.TimeoutExpired:
+                entry = {"model": model, "cap": cap, "error": f"timed out after {args.timeout} s"}
+            print(json.dumps(entry)[:2000], flush=True)
+            runs.append(entry)
+            with open(args.out, "w") as f:
+                json.dump({"benchmark": "plan", "issue": 12, "gpu": gpu_name(),
+                           "tensorflow": tf.__version__, "keras": keras.__version__,
+                           "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d"),
+                           "command": " ".join(sys.argv), "runs": runs}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
