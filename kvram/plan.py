@@ -270,14 +270,17 @@ def _device_total() -> int:
 def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, steps=5, plain=True):
     """Trains `configuration` (and, with `plain`, the unmodified Keras model)
     for `steps` batches of random data on the present device, after one
-    batch that builds and compiles: peak bytes (total on the device) and
-    samples/s of each."""
+    batch that builds and compiles: peak bytes (on the device, beyond what
+    was allocated before the model was built: its variables, optimizer state,
+    batch and steps) and samples/s of each."""
     device = memory._device_name(None)
     previous = keras.config.dtype_policy().name
     keras.config.set_dtype_policy(configuration.precision)
     try:
         results = {"device": device, "steps": steps}
         for kind in ("kvram", "plain") if plain else ("kvram",):
+            gc.collect()
+            baseline = memory.current_bytes(device)  # what was there before: not this run's
             model = build()
             shape = tuple(model.inputs[0].shape[1:])
             classes = int(model.outputs[0].shape[-1] or 1)
@@ -304,7 +307,10 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                 start = time.perf_counter()
                 trained.fit(tf.data.Dataset.from_tensors(batch).repeat(steps), verbose=0)
                 seconds = time.perf_counter() - start
-                entry = {"peak_bytes": memory.peak_bytes(device), "samples_per_second": steps * batch_size / seconds}
+                entry = {
+                    "peak_bytes": memory.peak_bytes(device) - baseline,
+                    "samples_per_second": steps * batch_size / seconds,
+                }
             except tf.errors.ResourceExhaustedError:
                 entry = {"peak_bytes": None, "samples_per_second": None, "error": "out of memory"}
             if kind == "kvram":

@@ -42,6 +42,24 @@ def run_with_peak(step, *args, warm: bool = False, repeat: int = 1):
     return result, kvram.memory.peak_bytes("CPU:0") - start
 
 
+def residual_model(classes: int = 10, dropout: float = 0.0, name: str = "small"):
+    """A small functional model at 32x32: a stem and six residual blocks
+    (Conv2D, BatchNormalization, optional Dropout with a fixed seed, Add)."""
+    import keras
+
+    inputs = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(16, 3, padding="same", name="stem")(inputs)
+    for i in range(6):
+        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=f"conv{i}")(x)
+        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
+        if dropout:
+            # a seed, saved in the .keras file
+            h = keras.layers.Dropout(dropout, seed=i, name=f"drop{i}")(h)
+        x = keras.layers.Add(name=f"add{i}")([x, h])
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inputs, keras.layers.Dense(classes, name="head")(x), name=name)
+
+
 def values(variables):
     return [np.array(tf.convert_to_tensor(v)) for v in variables]
 

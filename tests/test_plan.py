@@ -2,23 +2,16 @@
 
 import json
 
-import keras
 import numpy as np
 import pytest
 
 from kvram import cli, plan, remat
+from tests.helpers import residual_model
 
 
 def small_model():
     """Residual conv blocks at 32x32 (a `module:function` for `kvram plan --model`)."""
-    inputs = keras.Input((32, 32, 3))
-    x = keras.layers.Conv2D(16, 3, padding="same", name="stem")(inputs)
-    for i in range(6):
-        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=f"conv{i}")(x)
-        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
-        x = keras.layers.Add(name=f"add{i}")([x, h])
-    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
-    return keras.Model(inputs, keras.layers.Dense(10, name="head")(x), name="small")
+    return residual_model()
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,9 @@
 rebuilt with segments checkpointed (issue 12, first part)."""
 
 import math
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -10,7 +13,7 @@ import tensorflow as tf
 
 import kvram
 from kvram import remat
-from tests.helpers import max_rel_diff, run_with_peak, values
+from tests.helpers import max_rel_diff, residual_model, run_with_peak, values
 
 FAMILIES = {
     "resnet50": lambda: keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10),
@@ -188,7 +191,22 @@ def _training_peak(model, x, y, resident):
 
 
 @pytest.mark.parametrize("family", sorted(PLAN_FAMILIES))
-def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family):
+def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family, request):
+    if not os.environ.get("KVRAM_TEST_ISOLATED"):
+        # Measured in a process of its own: in the suite's process, what earlier
+        # tests left running (tf.data threads) allocates from the same CPU
+        # allocator during the measured steps.
+        child = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rxX", "-s", "-p", "no:cacheprovider", request.node.nodeid],
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            env={**os.environ, "KVRAM_TEST_ISOLATED": "1"}, capture_output=True, text=True, timeout=1200,
+        )
+        print(child.stdout[-4000:])
+        assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+        if " xfailed" in child.stdout.splitlines()[-1]:
+            reasons = [line for line in child.stdout.splitlines() if line.startswith("XFAIL")]
+            pytest.xfail(reasons[0] if reasons else child.stdout[-2000:])
+        return
     make, batch = PLAN_FAMILIES[family]
     keras.utils.set_random_seed(0)
     model = make()
@@ -235,15 +253,7 @@ def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family):
 
 def _dropout_chain():
     """A small functional model with residual blocks, BatchNormalization and Dropout."""
-    inputs = keras.Input((32, 32, 3))
-    x = keras.layers.Conv2D(16, 3, padding="same", name="stem")(inputs)
-    for i in range(6):
-        h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=f"conv{i}")(x)
-        h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
-        h = keras.layers.Dropout(0.3, seed=i, name=f"drop{i}")(h)  # a seed, saved in the .keras file
-        x = keras.layers.Add(name=f"add{i}")([x, h])
-    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
-    return keras.Model(inputs, keras.layers.Dense(3, name="head")(x), name="chain")
+    return residual_model(classes=3, dropout=0.3, name="chain")
 
 
 def test_plan_apply_is_the_same_model_on_the_same_variables():
