@@ -62,6 +62,10 @@ class Configuration:
     relative_step_time: float
     fits: bool
     plan: remat.Plan | None = dataclasses.field(default=None, repr=False)
+    # "executor": predicted from the graph executor's measurement; "xla":
+    # checked by XLA-compiled steps at the probe batches, extrapolated.
+    predicted_by: str = "executor"
+    executor_peak_bytes: int | None = None
 
 
 @dataclasses.dataclass
@@ -89,15 +93,18 @@ class Estimate:
         rows = [
             f"batch {self.batch_size}; device memory {_size(self.memory_bytes)}, planned within "
             f"{_size((1 - self.margin) * self.memory_bytes)} (margin {self.margin:.0%})",
-            f"{'precision':<16} {'micro-batch':>11} {'remat':>6} {'peak':>10} {'rel. time':>9}  fits",
+            f"{'precision':<16} {'micro-batch':>11} {'remat':>6} {'peak':>10} {'from':>8} {'rel. time':>9}  fits",
         ]
         for c in self.configurations:
             mark = "  <- recommended" if c is self.recommended else ""
             rows.append(
                 f"{c.precision:<16} {c.micro_batch_size or '-':>11} {c.remat:>6} "
-                f"{_size(c.predicted_peak_bytes):>10} {c.relative_step_time:>9.3f}  "
+                f"{_size(c.predicted_peak_bytes):>10} {c.predicted_by:>8} {c.relative_step_time:>9.3f}  "
                 f"{'yes' if c.fits else 'no'}{mark}"
             )
+        if any(c.predicted_by == "xla" for c in self.configurations):
+            rows.append("from: xla = checked by XLA-compiled steps at the probe batches; executor = "
+                        "predicted from the graph executor's measurement (over-predicts XLA's)")
         if self.recommended is None:
             rows.append("nothing fits: use a smaller batch (or more micro-batches)")
         if self.measured:
@@ -150,6 +157,7 @@ def estimate(
     micro_batch_sizes=None,
     margin: float = 0.10,
     probe_rows=None,
+    jit_compile="auto",
 ):
     """Predicted memory of every configuration (precision x checkpointing x
     micro-batch size) of a model, and the recommended one.
@@ -168,6 +176,11 @@ def estimate(
         margin: fraction of `memory_bytes` kept free.
         probe_rows: the two batch sizes measured (default: batch/8 and batch/4,
             at least 1 and 2).
+        jit_compile: whether training will run under XLA (see
+            `kvram.remat.plan`). When it will, configurations are checked by
+            XLA-compiled steps at the probe batches in the order of preference
+            until one fits; their peaks are those checks extrapolated, the
+            others' the executor's prediction (`predicted_by` says which).
 
     Returns:
         An `Estimate`.
@@ -185,7 +198,7 @@ def estimate(
         raise ValueError(f"probe_rows must be two increasing sizes >= 1. Received: {probe_rows!r}")
     limit = int(memory_bytes * (1 - margin))
     previous = keras.config.dtype_policy().name
-    configurations, done = [], set()
+    configurations, done, checkers = [], set(), {}
     try:
         for precision in precisions:
             keras.config.set_dtype_policy(precision)
@@ -196,9 +209,10 @@ def estimate(
             done.add(precision)
             chain = remat.segments(model)
             shape = tuple(model.inputs[0].shape[1:])
-            profiles = [
-                _measure(model, chain, shape, rows, loss) for rows in (low_rows, high_rows)
-            ]
+            batches = [_batch(model, shape, rows) for rows in (low_rows, high_rows)]
+            profiles = [_measure(model, chain, *batch, loss) for batch in batches]
+            if remat._uses_xla(model, jit_compile, memory._device_name(None)):
+                checkers[precision] = _Checker(model, chain, batches, loss, (low_rows, high_rows))
             weights = _nbytes(model.variables)
             state = remat._optimizer_bytes(model, optimizer)
             sample = int(np.prod(shape)) * 4 + 8  # float32 input and an int64 label per row
@@ -209,29 +223,86 @@ def estimate(
                 accumulators = _nbytes(model.trainable_variables) if micro else 0
                 resident = weights + state + sample * batch_size + accumulators
                 base = remat._plan_for(model, chain, profile, resident, None, rows)
-                rows_here = [("none", [], None)]
-                if base.plain_peak_bytes > limit >= base.minimum_peak_bytes:
-                    rows_here.append(("fit", None, base.with_budget(limit)))
-                rows_here.append(("least", None, base))
-                for name, runs, chosen in rows_here:
+                names = ["none"] + (["fit"] if base.plain_peak_bytes > limit >= base.minimum_peak_bytes else []) + ["least"]
+                for name in names:
+                    chosen = {"none": None, "fit": base.with_budget(limit) if name == "fit" else None,
+                              "least": base}[name]
                     peak = base.plain_peak_bytes if chosen is None else chosen.predicted_peak_bytes
                     extra = 0.0 if chosen is None else chosen.recompute_fraction
-                    configurations.append(
-                        Configuration(precision, micro, name, peak, 1.0 + extra, peak <= limit, chosen)
-                    )
+                    configurations.append(Configuration(
+                        precision, micro, name, peak, 1.0 + extra, peak <= limit, chosen,
+                        predicted_by="executor", executor_peak_bytes=peak,
+                    ))
+                    configurations[-1]._planning = (model, chain, profile, resident, rows)
+        order = {}
+        for c in configurations:
+            order.setdefault(c.precision, len(order))
+        preference = sorted(configurations, key=lambda c: (
+            order[c.precision], 0 if c.micro_batch_size is None else batch_size // c.micro_batch_size,
+            c.relative_step_time))
+        recommended = None
+        for c in preference:
+            checker = checkers.get(c.precision)
+            if checker is not None:
+                keras.config.set_dtype_policy(c.precision)
+                if c.remat == "fit" and not _checked_fit(c, checker, limit):
+                    continue
+                if c.remat != "fit":
+                    _check(c, checker, limit)
+            if c.fits:
+                recommended = c
+                break
     finally:
         keras.config.set_dtype_policy(previous)
-    fitting = [c for c in configurations if c.fits]
-    order = {}
     for c in configurations:
-        order.setdefault(c.precision, len(order))
-    recommended = min(
-        fitting,
-        key=lambda c: (order[c.precision], 0 if c.micro_batch_size is None else batch_size // c.micro_batch_size,
-                       c.relative_step_time),
-        default=None,
-    )
+        c.__dict__.pop("_planning", None)
     return Estimate(memory_bytes, margin, batch_size, configurations, recommended)
+
+
+class _Checker:
+    """XLA checks of one precision's model at the two probe batches, each
+    result extrapolated linearly in rows (see `kvram.remat`'s step 4)."""
+
+    def __init__(self, model, chain, batches, loss, probe_rows):
+        device = memory._device_name(None)
+        loss_fn = remat._loss_function(model, loss)
+        self.checks = [remat._xla_check(model, chain, x, y, loss_fn, device) for x, y in batches]
+        self.probe_rows = probe_rows
+
+    def at(self, rows):
+        (low_rows, high_rows), (low, high) = self.probe_rows, self.checks
+        t = (rows - low_rows) / (high_rows - low_rows)
+        return lambda runs: int(round(low(runs) + (high(runs) - low(runs)) * t))
+
+
+def _check(c, checker, limit):
+    """Replaces c's peak by the XLA-checked one of its runs."""
+    model, chain, profile, resident, rows = c._planning
+    runs = c.plan.runs if c.plan is not None else ()
+    c.predicted_peak_bytes = resident + checker.at(rows)(runs)
+    c.predicted_by, c.fits = "xla", c.predicted_peak_bytes <= limit
+
+
+def _checked_fit(c, checker, limit) -> bool:
+    """Re-plans a "fit" row with XLA checks; False when no choice fits (the
+    least-memory choice does not either, under XLA)."""
+    model, chain, profile, resident, rows = c._planning
+    try:
+        chosen = remat._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
+    except ValueError:  # XLA's least peak is above the limit too
+        c.predicted_by, c.fits = "xla", False
+        return False
+    c.plan, c.predicted_peak_bytes = chosen, chosen.predicted_peak_bytes
+    c.relative_step_time = 1.0 + chosen.recompute_fraction
+    c.predicted_by, c.fits = "xla", chosen.predicted_peak_bytes <= limit
+    return c.fits
+
+
+def _batch(model, shape, rows):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.random((rows, *shape)).astype("float32"))
+    classes = int(model.outputs[0].shape[-1] or 1)
+    return x, tf.constant(rng.integers(0, classes, rows))
 
 
 def _policy(model) -> str:
@@ -240,11 +311,7 @@ def _policy(model) -> str:
     return max(set(names), key=names.count) if names else keras.config.dtype_policy().name
 
 
-def _measure(model, chain, shape, rows, loss):
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.random((rows, *shape)).astype("float32"))
-    classes = int(model.outputs[0].shape[-1] or 1)
-    y = tf.constant(rng.integers(0, classes, rows))
+def _measure(model, chain, x, y, loss):
     return remat._profile(
         model, chain, x, y, remat._loss_function(model, loss), memory._device_name(None)
     )

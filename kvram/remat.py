@@ -28,6 +28,14 @@ so that a training step fits a memory budget with the least recomputation:
    peak fits the budget; with no budget, the least peak that checkpointing can
    reach (the point Chen et al. 2016's square-root split aims at), with the
    least recomputation that reaches it.
+4. *Check*, when training will run under XLA (by default on a GPU, where Keras
+   compiles the step with XLA): XLA fuses and reschedules the step, so the
+   executor's measurement over-predicts it (ResNet50 on an H200: 1.44-1.55x).
+   The unmodified step, the least-memory choice and the chosen one are each
+   compiled with XLA and run once on the sample batch; XLA fixes its buffers
+   at compile time, so each run's allocator peak is that choice's peak. When
+   the chosen one is over the budget, the budget given to step 3 is lowered by
+   the overshoot (mapped between the two measured ends) and step 3 repeats.
 """
 
 from __future__ import annotations
@@ -515,6 +523,9 @@ class Plan:
         minimum_peak_bytes: least predicted peak any plan reaches.
         recompute_fraction: predicted extra compute, as a fraction of the
             unmodified step's (forward and backward taken as 3 forward passes).
+        checked: True when the three peaks are XLA-compiled steps' measured
+            peaks (see the module docstring, step 4); False when they are
+            predicted from the executor's measurement.
     """
 
     model: keras.Model
@@ -528,13 +539,16 @@ class Plan:
     minimum_peak_bytes: int
     recompute_fraction: float
     profile: _Profile = dataclasses.field(repr=False)
+    checked: bool = False
+    check: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def with_budget(self, budget_bytes) -> "Plan":
         """The plan for another budget (None: least memory), from the same
-        measurement (no step is run)."""
+        measurement (no step is run, except, for a checked plan, the XLA
+        check of a choice not checked before)."""
         return _plan_for(
             self.model, self.segments, self.profile, self.resident_bytes,
-            _check_budget(budget_bytes), self.batch_size,
+            _check_budget(budget_bytes), self.batch_size, self.check,
         )
 
     def predict(self, runs) -> int:
@@ -544,16 +558,7 @@ class Plan:
     def groups(self):
         """(groups, checkpoint flags) for `rebuild`: each run recomputed, the
         segments between runs kept plain in one group each."""
-        groups, flags, i = [], [], 0
-        for first, last in list(self.runs) + [(len(self.segments), None)]:
-            if i < first:
-                groups.append(list(range(i, first)))
-                flags.append(False)
-            if last is not None:
-                groups.append(list(range(first, last + 1)))
-                flags.append(True)
-                i = last + 1
-        return groups, flags
+        return _groups(self.runs, len(self.segments))
 
     def apply(self) -> Model:
         """A `kvram.Model` computing the same function as `model` on the
@@ -580,12 +585,28 @@ class Plan:
         rows += [
             f"budget: {budget}; resident (variables, optimizer, batch): "
             f"{_mib(self.resident_bytes)} MiB",
-            f"peak: plain {_mib(self.plain_peak_bytes)} MiB (measured), planned "
-            f"{_mib(self.predicted_peak_bytes)} MiB (predicted), least possible "
-            f"{_mib(self.minimum_peak_bytes)} MiB",
+            f"peak: plain {_mib(self.plain_peak_bytes)} MiB, planned "
+            f"{_mib(self.predicted_peak_bytes)} MiB, least possible "
+            f"{_mib(self.minimum_peak_bytes)} MiB ("
+            + ("each measured as an XLA-compiled step" if self.checked
+               else "plain measured, the others predicted") + ")",
             f"extra compute: {100 * self.recompute_fraction:.1f}% of a training step (predicted)",
         ]
         return "\n".join(rows)
+
+
+def _groups(runs, n):
+    """(groups, flags) for `rebuild` of an n-segment chain with `runs` recomputed."""
+    groups, flags, i = [], [], 0
+    for first, last in list(runs) + [(n, None)]:
+        if i < first:
+            groups.append(list(range(i, first)))
+            flags.append(False)
+        if last is not None:
+            groups.append(list(range(first, last + 1)))
+            flags.append(True)
+            i = last + 1
+    return groups, flags
 
 
 def _batch(sample_batch):
@@ -640,14 +661,14 @@ def _check_budget(budget_bytes):
     return int(budget_bytes)
 
 
-def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None) -> Plan:
+def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, jit_compile="auto") -> Plan:
     """Chooses the segments of `model` to recompute so that training fits
     `budget_bytes`, with the least recomputation (see the module docstring).
 
-    Runs one measured training step of `model` on `sample_batch` (on the
-    default device: the GPU when there is one); its variables are read, not
-    changed, except BatchNormalization's moving statistics and seed states,
-    which advance as in one training step.
+    Runs measured training steps of `model` on `sample_batch` (on the default
+    device: the GPU when there is one); its variables are read, not changed,
+    except BatchNormalization's moving statistics and seed states, which
+    advance as in training steps.
 
     Args:
         model: a functional Keras model (see `segments`).
@@ -660,32 +681,95 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None) -
             changes activation memory only by its own temporaries).
         optimizer: the optimizer (instance or name) whose state to count;
             default the model's compiled one, else none.
+        jit_compile: whether training will run under XLA, so that the choice
+            is checked by XLA-compiled steps (module docstring, step 4).
+            "auto": on a GPU when Keras would compile the model with XLA
+            (`Model.compile`'s default), else not.
 
     Returns:
         A `Plan`; `plan(...).apply()` is the model to train.
 
     Raises:
         TypeError, ValueError: a model that cannot be cut (see `segments`), a
-            malformed batch, or a budget that is not a positive number of bytes
-            or below the least this model can reach (the message gives it).
+            malformed batch, a `jit_compile` not True, False or "auto", or a
+            budget that is not a positive number of bytes or below the least
+            this model can reach (the message gives it).
     """
     model = _functional(model)
     chain = _chain(model)
     budget_bytes = _check_budget(budget_bytes)
     x, y = _batch(sample_batch)
-    profile = _profile(model, chain, x, y, _loss_function(model, loss), memory._device_name(None))
+    device = memory._device_name(None)
+    loss_fn = _loss_function(model, loss)
+    check = _xla_check(model, chain, x, y, loss_fn, device) if _uses_xla(model, jit_compile, device) else None
+    profile = _profile(model, chain, x, y, loss_fn, device)
     resident = (
         sum(_nbytes(v) for v in model.variables)
         + _optimizer_bytes(model, optimizer)
         + sum(int(np.prod(t.shape)) * t.dtype.size for t in (x, y) if t is not None)
     )
-    return _plan_for(model, chain, profile, resident, budget_bytes, int(x.shape[0]))
+    return _plan_for(model, chain, profile, resident, budget_bytes, int(x.shape[0]), check)
 
 
-def _plan_for(model, chain, profile, resident, budget_bytes, batch) -> Plan:
-    least = _minimum(profile)
+def _uses_xla(model, jit_compile, device) -> bool:
+    if jit_compile == "auto":
+        from keras.src.trainers.trainer import model_supports_jit
+
+        return device.startswith("GPU") and model_supports_jit(model)
+    if not isinstance(jit_compile, bool):
+        raise ValueError(f'jit_compile must be True, False or "auto". Received: {jit_compile!r}')
+    return jit_compile
+
+
+def _xla_check(model, chain, x, y, loss_fn, device):
+    """A function of runs returning the measured peak (bytes beyond the step's
+    start) of one XLA-compiled training step of `model` with those runs
+    recomputed, after the run that compiles it; results are kept by runs."""
+    done = {}
+
+    def check(runs):
+        runs = tuple(runs)
+        if runs not in done:
+            trained = rebuild(model, *_groups(runs, len(chain))) if runs else model
+            done[runs] = _xla_step_peak(trained, x, y, loss_fn, device)
+        return done[runs]
+
+    return check
+
+
+def _xla_step_peak(model, x, y, loss_fn, device) -> int:
+    variables = model.trainable_variables
+
+    @tf.function(jit_compile=True)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        # Returned, as a training step holds them until the optimizer applies them.
+        return tape.gradient(loss, variables)
+
+    gradients = step(x, y)  # compiles
+    del gradients
+    memory.reset_peak(device)
+    start = memory.current_bytes(device)
+    gradients = step(x, y)
+    peak = memory.peak_bytes(device) - start
+    del gradients
+    return peak
+
+
+_CHECK_TRIES = 4
+
+
+def _plan_for(model, chain, profile, resident, budget_bytes, batch, check=None) -> Plan:
+    least_runs = tuple(_choose(profile, _minimum(profile)))
+    if check is None:
+        plain, least = _predict(profile, []), _minimum(profile)
+        peak_of = lambda runs: _predict(profile, list(runs))  # noqa: E731
+    else:
+        plain, least = check(()), check(least_runs)
+        peak_of = check
     if budget_bytes is None:
-        runs = _choose(profile, least)
+        runs = least_runs
     else:
         if budget_bytes - resident < least:
             raise ValueError(
@@ -695,8 +779,10 @@ def _plan_for(model, chain, profile, resident, budget_bytes, batch) -> Plan:
                 f"state and batch, and a step peak of {_mib(least)} MiB with checkpointing). "
                 "Allowed: budget_bytes >= that; or a smaller batch, or mixed precision."
             )
-        runs = _choose(profile, budget_bytes - resident)
-    runs = tuple(runs)
+        if check is None:
+            runs = tuple(_choose(profile, budget_bytes - resident))
+        else:
+            runs = _fit_checked(profile, check, budget_bytes - resident, plain, least, least_runs)
     total = sum(profile.flops)
     return Plan(
         model=model,
@@ -705,9 +791,36 @@ def _plan_for(model, chain, profile, resident, budget_bytes, batch) -> Plan:
         budget_bytes=budget_bytes,
         resident_bytes=resident,
         batch_size=batch,
-        predicted_peak_bytes=resident + _predict(profile, list(runs)),
-        plain_peak_bytes=resident + _predict(profile, []),
+        predicted_peak_bytes=resident + peak_of(runs),
+        plain_peak_bytes=resident + plain,
         minimum_peak_bytes=resident + least,
         recompute_fraction=sum(profile.flops[i] for a, b in runs for i in range(a, b + 1)) / (3 * total),
         profile=profile,
+        checked=check is not None,
+        check=check,
     )
+
+
+def _fit_checked(profile, check, target, plain, least, least_runs):
+    """The runs with the least recomputation found whose checked peak is
+    within `target`. The executor's prediction and XLA's measurement are
+    mapped onto each other linearly between the plain step and the
+    least-memory one; `_choose` is given `target` so mapped, then lowered by
+    each overshoot (mapped the same way) until the choice checks within it.
+    Falls back to the least-memory runs (which fit: `target` >= their checked
+    peak)."""
+    if plain <= target:
+        return ()
+    low, high = _minimum(profile), _predict(profile, [])
+    scale = (high - low) / max(plain - least, 1)
+    budget = min(high, low + int((target - least) * scale))
+    runs = tuple(_choose(profile, budget))
+    for _ in range(_CHECK_TRIES):
+        measured = check(runs)
+        if measured <= target:
+            return runs
+        budget -= max(1, int((measured - target) * scale))
+        if budget < low:
+            break
+        runs = tuple(_choose(profile, budget))
+    return least_runs

@@ -108,3 +108,23 @@ def test_cli_plan_module_function_and_keras_file(tmp_path, capsys):
 def test_cli_plan_bad_input(argv, message):
     with pytest.raises(SystemExit, match=message):
         cli.main(["plan", "--batch-size", "8", *argv])
+
+
+def test_estimate_checks_under_xla_and_training_confirms_it():
+    batch = 64
+    x = np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32")
+    direct = remat.plan(small_model(), (x, np.arange(batch) % 10), optimizer="adam", jit_compile=True)
+    memory = (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
+    found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",),
+                          micro_batch_sizes=[], margin=0.0, jit_compile=True)
+    print(found)
+    rows = {c.remat: c for c in found.configurations}
+    # checked in the order of preference until one fits: plain does not
+    assert rows["none"].predicted_by == "xla" and not rows["none"].fits
+    recommended = found.recommended
+    assert recommended is not None and recommended.predicted_by == "xla" and recommended.remat != "none"
+    assert "from: xla = checked" in str(found)
+    # Keras's fit() compiles with XLA (its jit_compile="auto", on the CPU too)
+    result = plan.measure(small_model, recommended, batch, steps=2, plain=False)
+    assert result["peak_bytes"] <= 1.10 * memory, (result, memory)
+    assert abs(recommended.predicted_peak_bytes - result["peak_bytes"]) <= 0.15 * result["peak_bytes"], result

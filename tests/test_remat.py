@@ -335,3 +335,40 @@ def test_plan_refuses_what_it_cannot_cut():
         remat.plan(Subclassed(), np.zeros((2, 8), "float32"))
     with pytest.raises(ValueError, match="sample_batch must be x or a tuple"):
         remat.plan(_dropout_chain(), (1, 2, 3, 4))
+
+
+def _xla_training_peak(model, x, y, resident):
+    """Measured peak of an XLA-compiled training step after the one that compiles it."""
+    variables = model.trainable_variables
+
+    @tf.function(jit_compile=True)
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True)))
+        return tape.gradient(loss, variables)
+
+    return resident + run_with_peak(step, warm=True)[1]
+
+
+def test_plan_checked_under_xla_fits_three_budgets():
+    # Under XLA the step's buffers are fixed at compile time: the check's
+    # measurement and this one agree, run after run.
+    keras.utils.set_random_seed(0)
+    model = _dropout_chain()
+    x = tf.constant(np.random.default_rng(0).random((64, 32, 32, 3)).astype("float32"))
+    y = tf.constant(np.arange(64) % 3)
+    least = remat.plan(model, (x, y), loss=_LOSS, jit_compile=True)
+    assert least.checked and "measured as an XLA-compiled step" in str(least)
+    plain = _xla_training_peak(model, x, y, least.resident_bytes)
+    assert abs(least.plain_peak_bytes - plain) <= 0.15 * plain, (least.plain_peak_bytes, plain)
+    measured = _xla_training_peak(least.apply(), x, y, least.resident_bytes)
+    assert measured < 0.6 * plain, (measured, plain)
+    low, high = least.minimum_peak_bytes, least.plain_peak_bytes
+    for fraction in (0.25, 0.5, 0.75):
+        budget = int(low + fraction * (high - low))
+        chosen = least.with_budget(budget)
+        measured = _xla_training_peak(chosen.apply(), x, y, least.resident_bytes)
+        assert chosen.predicted_peak_bytes <= budget and measured <= budget, (fraction, chosen.runs, measured)
+        assert abs(chosen.predicted_peak_bytes - measured) <= 0.15 * measured, (chosen.predicted_peak_bytes, measured)
+    with pytest.raises(ValueError, match=r'jit_compile must be True, False or "auto". Received: \'yes\''):
+        remat.plan(model, (x, y), jit_compile="yes")
