@@ -334,18 +334,19 @@ def _device_total() -> int:
     return int(total)
 
 
-def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, steps=5, plain=True):
+def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, steps=5, plain=True, kvram=True):
     """Trains `configuration` (and, with `plain`, the unmodified Keras model)
     for `steps` batches of random data on the present device, after one
     batch that builds and compiles: peak bytes (on the device, beyond what
     was allocated before the model was built: its variables, optimizer state,
-    batch and steps) and samples/s of each."""
+    batch and steps) and samples/s of each (`kvram=False`: plain Keras only,
+    in the configuration's precision, under "plain")."""
     device = memory._device_name(None)
     previous = keras.config.dtype_policy().name
     keras.config.set_dtype_policy(configuration.precision)
     try:
         results = {"device": device, "steps": steps}
-        for kind in ("kvram", "plain") if plain else ("kvram",):
+        for kind in ("kvram",) * kvram + ("plain",) * plain:
             gc.collect()
             baseline = memory.current_bytes(device)  # what was there before: not this run's
             model = build()

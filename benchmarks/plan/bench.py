@@ -5,7 +5,10 @@ keras.applications models at a training batch.
 Each (model, cap) runs in its own process, with the GPU made a logical device
 of the cap's size (TensorFlow then cannot allocate beyond it) before
 TensorFlow starts. With --try-all, every configuration of the recommended
-precision that is predicted to fit is trained too, to find the fastest.
+precision is trained too (until --budget-seconds are spent), to find the
+fastest; with --seed-baseline, plain Keras in float32 too. A child (--child)
+writes its result to --out after each measurement, so a run cut short keeps
+what it measured.
 
     python benchmarks/plan/bench.py --model ResNet50 --cap 16GiB --cap 48GiB \\
         --batch-size 256 --out plan_h200.json
@@ -42,26 +45,42 @@ def child(args) -> dict:
     def build():
         return constructor(weights=None, input_shape=(args.size, args.size, 3), classes=1000)
 
-    start = time.perf_counter()
+    began = time.perf_counter()
+    result = {"model": args.model, "cap": args.cap, "cap_bytes": cap, "batch_size": args.batch_size}
+
+    def save(**entries):
+        result.update(entries)
+        result["seconds"] = round(time.perf_counter() - began, 1)
+        print(f"[{result['seconds']} s] {', '.join(entries)} saved", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+
     found = plan.estimate(build, args.batch_size, memory_bytes=cap, precisions=tuple(args.precision.split(",")))
-    planned_s = time.perf_counter() - start
-    result = {"model": args.model, "cap": args.cap, "cap_bytes": cap, "batch_size": args.batch_size,
-              "plan_seconds": planned_s, "estimate": found.to_json()}
     print(found, flush=True)
+    save(plan_seconds=round(time.perf_counter() - began, 1), estimate=found.to_json())
     if found.recommended is None:
         return result
-    result["recommended"] = plan.measure(build, found.recommended, args.batch_size, steps=args.steps)
-    print(json.dumps(result["recommended"]), flush=True)
+    save(recommended=plan.measure(build, found.recommended, args.batch_size, steps=args.steps))
+    if args.seed_baseline:
+        # plain Keras in float32, the seed write-up's starting point
+        f32 = plan.Configuration("float32", None, "none", 0, 1.0, True)
+        save(plain_float32=plan.measure(build, f32, args.batch_size, steps=args.steps, kvram=False)["plain"])
     if args.try_all:
         tried = []
         for c in found.configurations:
-            if c.fits and c.precision == found.recommended.precision and c is not found.recommended:
-                entry = plan.measure(build, c, args.batch_size, steps=args.steps, plain=False)
-                entry.update(micro_batch_size=c.micro_batch_size, remat=c.remat,
-                             predicted_peak_bytes=c.predicted_peak_bytes)
-                tried.append(entry)
-                print(json.dumps(entry), flush=True)
-        result["tried"] = tried
+            if c.precision != found.recommended.precision or c is found.recommended:
+                continue
+            entry = {"micro_batch_size": c.micro_batch_size, "remat": c.remat,
+                     "predicted_peak_bytes": c.predicted_peak_bytes, "predicted_by": c.predicted_by,
+                     "runs": [list(r) for r in c.plan.runs] if c.plan else []}
+            if time.perf_counter() - began > args.budget_seconds:
+                entry["error"] = f"not tried: the run's {args.budget_seconds} s were spent"
+            else:
+                entry.update(plan.measure(build, c, args.batch_size, steps=args.steps, plain=False))
+            tried.append(entry)
+            save(tried=tried)
+            print(json.dumps(entry), flush=True)
     return result
 
 
@@ -74,6 +93,8 @@ def main() -> None:
     parser.add_argument("--precision", default="mixed_bfloat16,float32")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--try-all", action="store_true")
+    parser.add_argument("--seed-baseline", action="store_true", help="also train plain Keras in float32")
+    parser.add_argument("--budget-seconds", type=int, default=420, help="stop trying configurations after this")
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--out", default="plan.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -90,9 +111,9 @@ def main() -> None:
         for cap in args.cap:
             command = [sys.executable, __file__, "--child", "--model", model, "--cap", cap,
                        "--batch-size", str(args.batch_size), "--size", str(args.size),
-                       "--precision", args.precision, "--steps", str(args.steps)]
-            if args.try_all:
-                command.append("--try-all")
+                       "--precision", args.precision, "--steps", str(args.steps),
+                       "--budget-seconds", str(args.budget_seconds), "--out", ""]
+            command += ["--try-all"] * args.try_all + ["--seed-baseline"] * args.seed_baseline
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
                 lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
