@@ -362,7 +362,7 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
             if kind == "kvram":
                 chosen = configuration.plan
                 chain = remat.segments(model)
-                groups, flags = chosen.groups() if chosen is not None else ([list(range(len(chain)))], [False])
+                groups, flags = remat._groups(chosen.runs if chosen is not None else (), len(chain))
                 trained = remat.rebuild(model, groups, flags)
                 trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
                 trained.micro_batch_size = configuration.micro_batch_size

@@ -56,9 +56,17 @@ def child(args) -> dict:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)
 
-    found = plan.estimate(build, args.batch_size, memory_bytes=cap, precisions=tuple(args.precision.split(",")))
-    print(found, flush=True)
-    save(plan_seconds=round(time.perf_counter() - began, 1), estimate=found.to_json())
+    if args.estimate_from:
+        # the estimate an earlier run saved (its time stays recorded there): measure only
+        with open(args.estimate_from) as f:
+            earlier = json.load(f)
+        found = _estimate_from(earlier["estimate"])
+        save(plan_seconds=earlier["plan_seconds"], estimate=earlier["estimate"],
+             estimate_from=os.path.basename(args.estimate_from))
+    else:
+        found = plan.estimate(build, args.batch_size, memory_bytes=cap, precisions=tuple(args.precision.split(",")))
+        print(found, flush=True)
+        save(plan_seconds=round(time.perf_counter() - began, 1), estimate=found.to_json())
     if found.recommended is None:
         return result
     save(recommended=plan.measure(build, found.recommended, args.batch_size, steps=args.steps))
@@ -84,6 +92,25 @@ def child(args) -> dict:
     return result
 
 
+def _estimate_from(saved):
+    """An `Estimate` rebuilt from its JSON (configurations carry their runs)."""
+    from types import SimpleNamespace
+
+    from kvram import plan
+
+    rows, recommended = [], None
+    for row in saved["configurations"]:
+        c = plan.Configuration(
+            row["precision"], row["micro_batch_size"], row["remat"], row["predicted_peak_bytes"],
+            row["relative_step_time"], row["fits"],
+            SimpleNamespace(runs=[tuple(r) for r in row["runs"]]) if row["remat"] != "none" else None,
+            predicted_by=row["predicted_by"], executor_peak_bytes=row["executor_peak_bytes"],
+        )
+        rows.append(c)
+        recommended = c if row["recommended"] else recommended
+    return plan.Estimate(saved["memory_bytes"], saved["margin"], saved["batch_size"], rows, recommended)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", action="append", required=True)
@@ -93,6 +120,7 @@ def main() -> None:
     parser.add_argument("--precision", default="mixed_bfloat16,float32")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--try-all", action="store_true")
+    parser.add_argument("--estimate-from", default=None, help="a child's JSON: measure its estimate's rows")
     parser.add_argument("--seed-baseline", action="store_true", help="also train plain Keras in float32")
     parser.add_argument("--budget-seconds", type=int, default=420, help="stop trying configurations after this")
     parser.add_argument("--timeout", type=int, default=1800)
