@@ -49,3 +49,9 @@ def test_mixed_precision_example_learns_in_every_policy():
     assert results["mixed_bfloat16"]["peak_mib"] < 0.9 * results["float32"]["peak_mib"]
     assert results["mixed_float16"]["peak_mib"] < 0.9 * results["float32"]["peak_mib"]
     assert results["mixed_float16"]["loss_scale"] and results["mixed_bfloat16"]["loss_scale"] is None
+
+
+def test_fit_a_budget_example_trains_within_its_budget():
+    chosen, budget, peak = load("fit_a_budget").main(["--steps", "2"])
+    assert chosen.runs and chosen.predicted_peak_bytes <= budget
+    assert peak <= 1.10 * budget, (peak, budget)
