@@ -202,7 +202,7 @@ def estimate(
     try:
         for precision in precisions:
             keras.config.set_dtype_policy(precision)
-            model = build()
+            model = remat._functional(build())  # nested models inlined
             precision = _policy(model)  # a loaded .keras model keeps its own
             if precision in done:
                 continue

@@ -92,7 +92,43 @@ def _functional(model):
             f"Model {model.name!r} has {len(model.inputs)} inputs and {len(model.outputs)} outputs; "
             "cutting supports exactly one of each."
         )
-    return model
+    return _flattened(model)
+
+
+def _graph_of(layer):
+    """The functional graph of a nested functional or Sequential model, else None."""
+    if isinstance(layer, keras.Sequential):
+        layer = getattr(layer, "_functional", None)
+    if isinstance(layer, keras.Model) and getattr(layer, "_nodes_by_depth", None):
+        return layer
+    return None
+
+
+def _flattened(model):
+    """`model` with its nested functional (and Sequential) models inlined: the
+    same layer objects called on the outer graph's tensors, so a backbone
+    called as one layer (`base = keras.applications.X(include_top=False)`;
+    `x = base(inputs)`) is cut at its own blocks. The same variables."""
+    if not any(_graph_of(layer) is not None for layer in model.layers):
+        return model
+
+    def inline(op):
+        inner = _graph_of(op)
+        if inner is None:
+            return op
+        # The nested model's own nodes, on the outer tensors (its call's
+        # training/mask arguments are the outer call's at run time).
+        return lambda inputs, *args, **kwargs: inner._run_through_graph(inputs, operation_fn=inline)
+
+    inputs = keras.Input(tuple(model.inputs[0].shape[1:]), dtype=model.inputs[0].dtype)
+    try:
+        flat = keras.Model(inputs, model._run_through_graph(inputs, operation_fn=inline), name=model.name)
+    except ValueError as error:
+        raise ValueError(
+            f"Model {model.name!r} has nested models that could not be inlined into one graph to cut "
+            f"it: {error}"
+        ) from error
+    return _functional(flat)
 
 
 def _ordered_nodes(model):

@@ -372,3 +372,44 @@ def test_plan_checked_under_xla_fits_three_budgets():
         assert abs(chosen.predicted_peak_bytes - measured) <= 0.15 * measured, (chosen.predicted_peak_bytes, measured)
     with pytest.raises(ValueError, match=r'jit_compile must be True, False or "auto". Received: \'yes\''):
         remat.plan(model, (x, y), jit_compile="yes")
+
+
+def _finetune_model():
+    """The usual fine-tuning shape: a Sequential preprocessing model and a
+    keras.applications backbone, each called as one layer."""
+    base = keras.applications.MobileNetV3Small(
+        weights=None, include_top=False, input_shape=(64, 64, 3), include_preprocessing=False
+    )
+    prep = keras.Sequential([keras.layers.Rescaling(1 / 255.0)], name="prep")
+    inputs = keras.Input((64, 64, 3))
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(base(prep(inputs)))
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(x), name="finetune")
+
+
+def test_nested_models_are_cut_at_their_own_blocks():
+    keras.utils.set_random_seed(0)
+    model = _finetune_model()
+    chain = remat.segments(model)
+    # one cut per backbone block, not three segments (prep, backbone, head)
+    assert len(chain) > 20, [s.layers for s in chain]
+    assert chain[0].layers == ("rescaling",) and chain[-1].layers == ("head",)
+    x = tf.constant(np.random.default_rng(0).random((16, 64, 64, 3)).astype("float32") * 255)
+    y = tf.constant(np.arange(16) % 10)
+    chosen = remat.plan(model, (x, y), loss=_LOSS)
+    assert chosen.runs, str(chosen)
+    rebuilt = chosen.apply()
+    assert {id(v) for v in rebuilt.weights} == {id(v) for v in model.weights}
+    state = [tf.identity(v) for v in model.variables]
+    variables = model.trainable_variables
+
+    def step(which):
+        for variable, value in zip(model.variables, state):  # the same variables
+            variable.assign(value)
+        with tf.GradientTape() as tape:
+            out = which(x, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, out))
+        return [out] + tape.gradient(loss, variables)
+
+    theirs, ours = step(model), step(rebuilt)
+    assert max_rel_diff(theirs[:1], ours[:1]) < 1e-5
+    assert max_rel_diff(theirs[1:], ours[1:], per_tensor=False) < 1e-5
