@@ -44,6 +44,7 @@ def main(argv=None):
         parser.error(f"--model: {args.model!r} is not a keras.applications model")
 
     keras.utils.set_random_seed(0)
+    before = memory.current_bytes()  # what this process held before: not training's
     model = getattr(keras.applications, args.model)(
         weights=None, input_shape=(args.size, args.size, 3), classes=args.classes
     )
@@ -71,9 +72,9 @@ def main(argv=None):
     trained.fit(data, verbose=0)  # builds and compiles
     memory.reset_peak()
     history = trained.fit(data.repeat(args.steps), verbose=0)
-    peak = memory.peak_bytes()
+    peak = memory.peak_bytes() - before
     print(f"budget {budget / 2**20:,.1f} MiB; predicted {chosen.predicted_peak_bytes / 2**20:,.1f} MiB; "
-          f"measured while training {peak / 2**20:,.1f} MiB (everything allocated); "
+          f"measured while training {peak / 2**20:,.1f} MiB (all it allocated); "
           f"loss {history.history['loss'][-1]:.4f}")
     assert isinstance(trained, kvram.Model)
     return chosen, budget, peak

@@ -102,9 +102,10 @@ class Estimate:
                 f"{_size(c.predicted_peak_bytes):>10} {c.predicted_by:>8} {c.relative_step_time:>9.3f}  "
                 f"{'yes' if c.fits else 'no'}{mark}"
             )
-        if any(c.predicted_by == "xla" for c in self.configurations):
-            rows.append("from: xla = checked by XLA-compiled steps at the probe batches; executor = "
-                        "predicted from the graph executor's measurement (over-predicts XLA's)")
+        if any(c.predicted_by != "executor" for c in self.configurations):
+            rows.append("from: xla / graph = checked by steps run as training will (XLA-compiled / on the "
+                        "graph executor) at the probe batches; executor = predicted from the cut-by-cut "
+                        "measurement (over-predicts XLA's)")
         if self.recommended is None:
             rows.append("nothing fits: use a smaller batch (or more micro-batches)")
         if self.measured:
@@ -177,10 +178,11 @@ def estimate(
         probe_rows: the two batch sizes measured (default: batch/8 and batch/4,
             at least 1 and 2).
         jit_compile: whether training will run under XLA (see
-            `kvram.remat.plan`). When it will, configurations are checked by
-            XLA-compiled steps at the probe batches in the order of preference
-            until one fits; their peaks are those checks extrapolated, the
-            others' the executor's prediction (`predicted_by` says which).
+            `kvram.remat.plan`). Configurations are checked by steps run as
+            training will (XLA-compiled or not) at the probe batches, in the
+            order of preference until one fits; their peaks are those checks
+            extrapolated, the others' the cut-by-cut prediction
+            (`predicted_by` says which).
 
     Returns:
         An `Estimate`.
@@ -211,8 +213,8 @@ def estimate(
             shape = tuple(model.inputs[0].shape[1:])
             batches = [_batch(model, shape, rows) for rows in (low_rows, high_rows)]
             profiles = [_measure(model, chain, *batch, loss) for batch in batches]
-            if remat._uses_xla(model, jit_compile, memory._device_name(None)):
-                checkers[precision] = _Checker(model, chain, batches, loss, (low_rows, high_rows))
+            jit = remat._uses_xla(model, jit_compile, memory._device_name(None))
+            checkers[precision] = _Checker(model, chain, batches, loss, (low_rows, high_rows), jit)
             weights = _nbytes(model.variables)
             state = remat._optimizer_bytes(model, optimizer)
             sample = int(np.prod(shape)) * 4 + 8  # float32 input and an int64 label per row
@@ -260,14 +262,16 @@ def estimate(
 
 
 class _Checker:
-    """XLA checks of one precision's model at the two probe batches, each
-    result extrapolated linearly in rows (see `kvram.remat`'s step 4)."""
+    """Checks of one precision's model at the two probe batches (steps run as
+    training will: XLA-compiled or on the graph executor), each result
+    extrapolated linearly in rows (see `kvram.remat`'s step 4)."""
 
-    def __init__(self, model, chain, batches, loss, probe_rows):
+    def __init__(self, model, chain, batches, loss, probe_rows, jit):
         device = memory._device_name(None)
         loss_fn = remat._loss_function(model, loss)
-        self.checks = [remat._xla_check(model, chain, x, y, loss_fn, device) for x, y in batches]
+        self.checks = [remat._step_check(model, chain, x, y, loss_fn, device, jit) for x, y in batches]
         self.probe_rows = probe_rows
+        self.name = "xla" if jit else "graph"
 
     def at(self, rows):
         (low_rows, high_rows), (low, high) = self.probe_rows, self.checks
@@ -280,7 +284,7 @@ def _check(c, checker, limit):
     model, chain, profile, resident, rows = c._planning
     runs = c.plan.runs if c.plan is not None else ()
     c.predicted_peak_bytes = resident + checker.at(rows)(runs)
-    c.predicted_by, c.fits = "xla", c.predicted_peak_bytes <= limit
+    c.predicted_by, c.fits = checker.name, c.predicted_peak_bytes <= limit
 
 
 def _checked_fit(c, checker, limit) -> bool:
@@ -289,12 +293,12 @@ def _checked_fit(c, checker, limit) -> bool:
     model, chain, profile, resident, rows = c._planning
     try:
         chosen = remat._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
-    except ValueError:  # XLA's least peak is above the limit too
-        c.predicted_by, c.fits = "xla", False
+    except ValueError:  # the least peak, checked, is above the limit too
+        c.predicted_by, c.fits = checker.name, False
         return False
     c.plan, c.predicted_peak_bytes = chosen, chosen.predicted_peak_bytes
     c.relative_step_time = 1.0 + chosen.recompute_fraction
-    c.predicted_by, c.fits = "xla", chosen.predicted_peak_bytes <= limit
+    c.predicted_by, c.fits = checker.name, chosen.predicted_peak_bytes <= limit
     return c.fits
 
 

@@ -28,14 +28,17 @@ so that a training step fits a memory budget with the least recomputation:
    peak fits the budget; with no budget, the least peak that checkpointing can
    reach (the point Chen et al. 2016's square-root split aims at), with the
    least recomputation that reaches it.
-4. *Check*, when training will run under XLA (by default on a GPU, where Keras
-   compiles the step with XLA): XLA fuses and reschedules the step, so the
-   executor's measurement over-predicts it (ResNet50 on an H200: 1.44-1.55x).
-   The unmodified step, the least-memory choice and the chosen one are each
-   compiled with XLA and run once on the sample batch; XLA fixes its buffers
-   at compile time, so each run's allocator peak is that choice's peak. When
-   the chosen one is over the budget, the budget given to step 3 is lowered by
-   the overshoot (mapped between the two measured ends) and step 3 repeats.
+4. *Check*: the unmodified step, the least-memory choice and the chosen one
+   are each run on the sample batch as training will run them, and their
+   allocator peaks replace the predictions. Under XLA (by default on a GPU,
+   where Keras compiles the step with XLA) the step is XLA-compiled: XLA
+   fuses and reschedules it, so step 1's measurement over-predicts it
+   (ResNet50 on an H200: 1.44-1.55x), and fixes its buffers at compile time,
+   so one run gives its peak. Otherwise the step runs on the graph executor,
+   without step 1's probes (which order the ops), the highest of three runs.
+   When the chosen one is over the budget, the budget given to step 3 is
+   lowered by the overshoot (mapped between the two measured ends) and
+   step 3 repeats.
 """
 
 from __future__ import annotations
@@ -559,9 +562,9 @@ class Plan:
         minimum_peak_bytes: least predicted peak any plan reaches.
         recompute_fraction: predicted extra compute, as a fraction of the
             unmodified step's (forward and backward taken as 3 forward passes).
-        checked: True when the three peaks are XLA-compiled steps' measured
-            peaks (see the module docstring, step 4); False when they are
-            predicted from the executor's measurement.
+        checked: True when the three peaks are measured peaks of the steps
+            (see the module docstring, step 4; `plan` always checks); False
+            when they are predicted from the cut-by-cut measurement.
     """
 
     model: keras.Model
@@ -624,7 +627,8 @@ class Plan:
             f"peak: plain {_mib(self.plain_peak_bytes)} MiB, planned "
             f"{_mib(self.predicted_peak_bytes)} MiB, least possible "
             f"{_mib(self.minimum_peak_bytes)} MiB ("
-            + ("each measured as an XLA-compiled step" if self.checked
+            + ("each measured as an XLA-compiled step" if getattr(self.check, "jit", False)
+               else "each measured as a step on the graph executor" if self.checked
                else "plain measured, the others predicted") + ")",
             f"extra compute: {100 * self.recompute_fraction:.1f}% of a training step (predicted)",
         ]
@@ -718,9 +722,9 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
         optimizer: the optimizer (instance or name) whose state to count;
             default the model's compiled one, else none.
         jit_compile: whether training will run under XLA, so that the choice
-            is checked by XLA-compiled steps (module docstring, step 4).
-            "auto": on a GPU when Keras would compile the model with XLA
-            (`Model.compile`'s default), else not.
+            is checked by XLA-compiled steps rather than graph-executor steps
+            (module docstring, step 4). "auto": on a GPU when Keras would
+            compile the model with XLA (`Model.compile`'s default), else not.
 
     Returns:
         A `Plan`; `plan(...).apply()` is the model to train.
@@ -737,7 +741,9 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
     x, y = _batch(sample_batch)
     device = memory._device_name(None)
     loss_fn = _loss_function(model, loss)
-    check = _xla_check(model, chain, x, y, loss_fn, device) if _uses_xla(model, jit_compile, device) else None
+    jit = _uses_xla(model, jit_compile, device)
+    check = _step_check(model, chain, x, y, loss_fn, device, jit)
+    check.jit = jit
     profile = _profile(model, chain, x, y, loss_fn, device)
     resident = (
         sum(_nbytes(v) for v in model.variables)
@@ -757,43 +763,47 @@ def _uses_xla(model, jit_compile, device) -> bool:
     return jit_compile
 
 
-def _xla_check(model, chain, x, y, loss_fn, device):
+def _step_check(model, chain, x, y, loss_fn, device, jit):
     """A function of runs returning the measured peak (bytes beyond the step's
-    start) of one XLA-compiled training step of `model` with those runs
-    recomputed, after the run that compiles it; results are kept by runs."""
+    start) of the training step of `model` with those runs recomputed, as it
+    will train: XLA-compiled (`jit`; one run after the compiling one: XLA
+    fixes its buffers at compile time) or on the graph executor (the highest
+    of three runs: its op order varies). Results are kept by runs."""
     done = {}
 
     def check(runs):
         runs = tuple(runs)
         if runs not in done:
             trained = rebuild(model, *_groups(runs, len(chain))) if runs else model
-            done[runs] = _xla_step_peak(trained, x, y, loss_fn, device)
+            done[runs] = _step_peak(trained, x, y, loss_fn, device, jit)
         return done[runs]
 
     return check
 
 
-def _xla_step_peak(model, x, y, loss_fn, device) -> int:
+def _step_peak(model, x, y, loss_fn, device, jit) -> int:
     variables = model.trainable_variables
 
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=jit)
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         # Returned, as a training step holds them until the optimizer applies them.
         return tape.gradient(loss, variables)
 
-    gradients = step(x, y)  # compiles
+    gradients = step(x, y)  # traces (and compiles)
     del gradients
     memory.reset_peak(device)
     start = memory.current_bytes(device)
-    gradients = step(x, y)
+    for _ in range(1 if jit else _PROFILE_STEPS):
+        gradients = None  # the previous step's are not held during the next
+        gradients = step(x, y)
     peak = memory.peak_bytes(device) - start
     del gradients
     return peak
 
 
-_CHECK_TRIES = 4
+_CHECK_TRIES = 3
 
 
 def _plan_for(model, chain, profile, resident, budget_bytes, batch, check=None) -> Plan:

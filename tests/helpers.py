@@ -42,6 +42,34 @@ def run_with_peak(step, *args, warm: bool = False, repeat: int = 1):
     return result, kvram.memory.peak_bytes("CPU:0") - start
 
 
+def in_own_process(request) -> bool:
+    """For a test that measures the CPU allocator's peak through fit() or a
+    whole training step: in the suite's process, what earlier tests left
+    running (tf.data threads) allocates from the same allocator meanwhile.
+    Outside such a child, runs the test in a new pytest process (an xfail
+    there is reported as one) and returns True: the caller returns. Inside,
+    returns False: the caller measures."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if os.environ.get("KVRAM_TEST_ISOLATED"):
+        return False
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rxX", "-s", "-p", "no:cacheprovider", request.node.nodeid],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env={**os.environ, "KVRAM_TEST_ISOLATED": "1"}, capture_output=True, text=True, timeout=1200,
+    )
+    print(child.stdout[-4000:])
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    if " xfailed" in child.stdout.splitlines()[-1]:
+        reasons = [line for line in child.stdout.splitlines() if line.startswith("XFAIL")]
+        pytest.xfail(reasons[0] if reasons else child.stdout[-2000:])
+    return True
+
+
 def residual_model(classes: int = 10, dropout: float = 0.0, name: str = "small"):
     """A small functional model at 32x32: a stem and six residual blocks
     (Conv2D, BatchNormalization, optional Dropout with a fixed seed, Add)."""

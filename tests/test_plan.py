@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvram import cli, plan, remat
-from tests.helpers import residual_model
+from tests.helpers import in_own_process, residual_model
 
 
 def small_model():
@@ -110,7 +110,9 @@ def test_cli_plan_bad_input(argv, message):
         cli.main(["plan", "--batch-size", "8", *argv])
 
 
-def test_estimate_checks_under_xla_and_training_confirms_it():
+def test_estimate_checks_under_xla_and_training_confirms_it(request):
+    if in_own_process(request):  # fit()'s peak, measured in a process of its own
+        return
     batch = 64
     x = np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32")
     direct = remat.plan(small_model(), (x, np.arange(batch) % 10), optimizer="adam", jit_compile=True)
@@ -123,7 +125,7 @@ def test_estimate_checks_under_xla_and_training_confirms_it():
     assert rows["none"].predicted_by == "xla" and not rows["none"].fits
     recommended = found.recommended
     assert recommended is not None and recommended.predicted_by == "xla" and recommended.remat != "none"
-    assert "from: xla = checked" in str(found)
+    assert "from: xla / graph = checked" in str(found)
     # extrapolated from batches of 8 and 16: the same runs checked at 64 rows
     at_batch = direct.resident_bytes + direct.check(recommended.plan.runs)
     assert abs(recommended.predicted_peak_bytes - at_batch) <= 0.15 * at_batch, (recommended, at_batch)

@@ -2,9 +2,6 @@
 rebuilt with segments checkpointed (issue 12, first part)."""
 
 import math
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -13,7 +10,7 @@ import tensorflow as tf
 
 import kvram
 from kvram import remat
-from tests.helpers import max_rel_diff, residual_model, run_with_peak, values
+from tests.helpers import in_own_process, max_rel_diff, residual_model, run_with_peak, values
 
 FAMILIES = {
     "resnet50": lambda: keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10),
@@ -53,7 +50,10 @@ def test_checkpointed_rebuild_equals_the_model(family):
     chain = remat.segments(model)
     assert len(chain) >= 10, [s.layers for s in chain]
     assert [s.index for s in chain] == list(range(len(chain)))
-    assert chain[0].input is model.inputs[0] and chain[-1].output is model.outputs[0]
+    # (on the model's own graph, or, with nested models such as ConvNeXt's
+    # Sequential stem, on the inlined one: same shapes)
+    assert tuple(chain[0].input.shape) == tuple(model.inputs[0].shape)
+    assert tuple(chain[-1].output.shape) == tuple(model.outputs[0].shape)
     called = [name for s in chain for name in s.layers]
     assert len(called) == len(set(called))  # every layer call in exactly one segment
 
@@ -192,20 +192,7 @@ def _training_peak(model, x, y, resident):
 
 @pytest.mark.parametrize("family", sorted(PLAN_FAMILIES))
 def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family, request):
-    if not os.environ.get("KVRAM_TEST_ISOLATED"):
-        # Measured in a process of its own: in the suite's process, what earlier
-        # tests left running (tf.data threads) allocates from the same CPU
-        # allocator during the measured steps.
-        child = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-rxX", "-s", "-p", "no:cacheprovider", request.node.nodeid],
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            env={**os.environ, "KVRAM_TEST_ISOLATED": "1"}, capture_output=True, text=True, timeout=1200,
-        )
-        print(child.stdout[-4000:])
-        assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
-        if " xfailed" in child.stdout.splitlines()[-1]:
-            reasons = [line for line in child.stdout.splitlines() if line.startswith("XFAIL")]
-            pytest.xfail(reasons[0] if reasons else child.stdout[-2000:])
+    if in_own_process(request):
         return
     make, batch = PLAN_FAMILIES[family]
     keras.utils.set_random_seed(0)
@@ -246,10 +233,10 @@ def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family, request):
                 misses.append(f"{lines[-1].strip()}: more than the budget + 10%")
     print("\n".join(lines))
     if misses:
-        # Issue 12's bars, not yet met in every run: TensorFlow's CPU graph
-        # executor orders independent ops differently from step to step, and the
-        # planned models' peaks move with it (by up to ~25% for EfficientNetB0's
-        # no-budget plan; see the issue's note).
+        # Issue 12's bars, reported with the numbers if a run misses one:
+        # TensorFlow's CPU graph executor orders independent ops differently
+        # from step to step, and a step's peak moves with it (the plan's check
+        # takes the highest of three runs; this measurement is another three).
         pytest.xfail("; ".join(misses))
 
 
