@@ -181,7 +181,8 @@ def _plan(args) -> int:
     try:
         found = plan.estimate(
             build, args.batch_size, memory_bytes=memory_bytes, optimizer=args.optimizer,
-            precisions=tuple(args.precision.split(",")), margin=args.margin, verbose=True,
+            precisions=tuple(args.precision.split(",")), margin=args.margin,
+            micro_batch_overhead=args.micro_batch_overhead, verbose=True,
         )
     except ValueError as error:
         raise SystemExit(f"kvram plan: {error}") from None
@@ -235,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype policies to try, preferred first (comma-separated)",
     )
     planner.add_argument("--margin", type=float, default=0.10, help="fraction of memory kept free")
+    planner.add_argument("--micro-batch-overhead", type=float, default=0.05,
+                         help="predicted step time added by each micro-batch beyond the first "
+                              "(fraction of a whole-batch step)")
     planner.add_argument("--measure", action="store_true",
                          help="train the recommended configuration and plain Keras a few steps")
     planner.add_argument("--steps", type=_positive, default=5, help="steps timed by --measure")

@@ -7,13 +7,27 @@ a slice (activations grow with the rows, variables do not), so a model whose
 plain step would not fit the device can still be planned. For each
 configuration the table gives the predicted peak without checkpointing, with
 the least recomputation that fits the memory (less a margin), and with the
-least memory, and the predicted step time relative to the same configuration
-without checkpointing (recomputed FLOPs; what precision and micro-batching do
-to speed depends on the GPU and is measured by `--measure`).
+least memory, and the predicted step time relative to the whole batch without
+checkpointing in the same precision: 1 + the recomputed FLOPs' fraction of a
+step + `micro_batch_overhead` for each slice beyond the first (what precision
+does to speed depends on the GPU and is measured by `--measure`).
 
 The recommended configuration is the first that fits in this order: mixed
-precision before float32 (the order of `precisions`), whole batches before
-micro-batches (fewer slices first), then the least recomputation.
+precision before float32 (the order of `precisions`), then the least
+predicted step time (fewer slices first at equal time).
+
+Why a slice costs 5% of a step by default: on an H200 at batch 256 (224x224,
+bf16, `benchmarks/results/plan_h200/`), two 128-row slices without
+recomputation ran at 0.97-1.05x the whole batch's img/s (ResNet50,
+ConvNeXtTiny, EfficientNetV2S) and four 64-row slices at 0.82-0.92x
+(ResNet50, EfficientNetV2S), which a fixed cost per slice of about 5% of the
+whole step fits (predicted time 1.05 and 1.15); the least recomputation that
+fit 16 GiB ran at 0.92-0.94x (ResNet50, EfficientNetV2S; its FLOPs predicted
+2-7%). Two slices without recomputation were faster than the whole batch
+with recomputation in every such pair measured; this order prefers them where
+the recomputation is predicted above 5% of a step.
+Where slices are small enough to leave a GPU idle a slice costs more: give
+`micro_batch_overhead`, or measure with `--measure`.
 """
 
 from __future__ import annotations
@@ -173,6 +187,7 @@ def estimate(
     precisions=("mixed_bfloat16", "mixed_float16", "float32"),
     micro_batch_sizes=None,
     margin: float = 0.10,
+    micro_batch_overhead: float = 0.05,
     probe_rows=None,
     jit_compile="auto",
     check_at="auto",
@@ -193,6 +208,9 @@ def estimate(
         micro_batch_sizes: slice sizes to try besides whole batches (default:
             the batch halved and quartered).
         margin: fraction of `memory_bytes` kept free.
+        micro_batch_overhead: predicted step time added by each slice beyond
+            the first, as a fraction of a whole-batch step (see the module's
+            docstring for where 0.05 comes from).
         probe_rows: the two batch sizes measured (default: batch/8 and batch/4,
             at least 1 and 2).
         jit_compile: whether training will run under XLA (see
@@ -221,6 +239,8 @@ def estimate(
         raise ValueError(f"margin must be in [0, 1). Received: {margin!r}")
     if batch_size < 2:
         raise ValueError(f"batch_size must be >= 2. Received: {batch_size!r}")
+    if not 0 <= micro_batch_overhead < 1:
+        raise ValueError(f"micro_batch_overhead must be in [0, 1). Received: {micro_batch_overhead!r}")
     if micro_batch_sizes is None:
         micro_batch_sizes = sorted({m for m in (batch_size // 2, batch_size // 4) if 1 <= m < batch_size}, reverse=True)
     low_rows, high_rows = probe_rows or (max(1, batch_size // 8), max(2, batch_size // 4))
@@ -266,17 +286,19 @@ def estimate(
                               "least": base}[name]
                     peak = base.plain_peak_bytes if chosen is None else chosen.predicted_peak_bytes
                     extra = 0.0 if chosen is None else chosen.recompute_fraction
+                    slices = _slices(batch_size, micro)
                     configurations.append(Configuration(
-                        precision, micro, name, peak, 1.0 + extra, peak <= limit, chosen,
+                        precision, micro, name, peak, 1.0 + extra + micro_batch_overhead * (slices - 1),
+                        peak <= limit, chosen,
                         predicted_by="executor", executor_peak_bytes=peak,
                     ))
                     configurations[-1]._planning = (model, chain, profile, resident, rows)
+                    configurations[-1]._overhead = micro_batch_overhead * (slices - 1)
         order = {}
         for c in configurations:
             order.setdefault(c.precision, len(order))
         preference = sorted(configurations, key=lambda c: (
-            order[c.precision], 0 if c.micro_batch_size is None else batch_size // c.micro_batch_size,
-            c.relative_step_time))
+            order[c.precision], c.relative_step_time, _slices(batch_size, c.micro_batch_size)))
         recommended = None
         for c in preference:
             checker = checkers.get(c.precision)
@@ -293,11 +315,17 @@ def estimate(
         keras.config.set_dtype_policy(previous)
     for c in configurations:
         c.__dict__.pop("_planning", None)
+        c.__dict__.pop("_overhead", None)
     log("done" + (f": recommended {recommended.precision}, micro-batch "
                   f"{recommended.micro_batch_size or '-'}, remat {recommended.remat}" if recommended else
                   ": nothing fits"))
     return Estimate(memory_bytes, margin, batch_size, configurations, recommended,
                     check_at="batch" if exact else "probes", log=log.lines)
+
+
+def _slices(batch_size, micro_batch_size) -> int:
+    """Slices a step of `batch_size` rows runs in (the last may be short)."""
+    return 1 if micro_batch_size is None else -(-batch_size // micro_batch_size)
 
 
 def _checks_exact(check_at, memory_bytes) -> bool:
@@ -397,7 +425,7 @@ def _checked_fit(c, checker, limit) -> bool:
         c.predicted_by, c.fits = checker.name, False
         return False
     c.plan, c.predicted_peak_bytes = chosen, chosen.predicted_peak_bytes
-    c.relative_step_time = 1.0 + chosen.recompute_fraction
+    c.relative_step_time = 1.0 + chosen.recompute_fraction + c._overhead
     c.predicted_by, c.fits = checker.name, chosen.predicted_peak_bytes <= limit
     return c.fits
 

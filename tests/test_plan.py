@@ -45,11 +45,42 @@ def test_estimate_extrapolates_and_recommends_what_fits():
     # measured at batches of 8 and 16, extrapolated to 64
     assert abs(plain.predicted_peak_bytes - direct.plain_peak_bytes) <= 0.15 * direct.plain_peak_bytes
     assert not plain.fits and rows[(None, "fit")].fits and rows[(None, "least")].fits
-    assert found.recommended is rows[(None, "fit")]  # whole batches first, then the least recomputation
     assert rows[(None, "fit")].relative_step_time <= rows[(None, "least")].relative_step_time
+    # each slice beyond the first adds micro_batch_overhead (0.05) of a step
+    assert rows[(32, "none")].relative_step_time == pytest.approx(1.05)
+    assert rows[(16, "none")].relative_step_time == pytest.approx(1.15)
+    assert rows[(16, "least")].relative_step_time == pytest.approx(rows[(None, "least")].relative_step_time + 0.15)
+    # the fastest predicted that fits: two slices (1.05) before the whole
+    # batch recomputing (1 + its recomputed FLOPs, above 5% here)
+    assert rows[(None, "fit")].relative_step_time > 1.05
+    assert found.recommended is rows[(32, "none")]
+    # nothing predicted faster fits
+    faster = [c for c in found.configurations if c.relative_step_time < found.recommended.relative_step_time]
+    assert faster and not any(c.fits for c in faster), faster
     assert rows[(16, "none")].predicted_peak_bytes < rows[(32, "none")].predicted_peak_bytes < plain.predicted_peak_bytes
     text = str(found)
     assert "<- recommended" in text and "float32" in text, text
+
+
+def test_a_dearer_slice_recommends_the_whole_batch_recomputing():
+    batch = 64
+    direct = remat.plan(
+        small_model(),
+        (np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32"), np.arange(batch) % 10),
+        optimizer="adam",
+    )
+    memory = (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
+    found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",), margin=0.0,
+                          micro_batch_sizes=[32], micro_batch_overhead=0.5)
+    rows = {(c.micro_batch_size, c.remat): c for c in found.configurations}
+    assert rows[(32, "none")].relative_step_time == pytest.approx(1.5)
+    assert found.recommended is rows[(None, "fit")] and found.recommended.relative_step_time < 1.5
+
+
+@pytest.mark.parametrize("overhead", [-0.1, 1.0, 2])
+def test_micro_batch_overhead_is_validated(overhead):
+    with pytest.raises(ValueError, match=rf"micro_batch_overhead must be in \[0, 1\). Received: {overhead}"):
+        plan.estimate(small_model, 16, memory_bytes=2**30, micro_batch_overhead=overhead)
 
 
 def test_estimate_measure_runs_the_recommendation_and_plain_keras():
@@ -142,7 +173,8 @@ def test_estimate_checks_each_configuration_at_its_own_rows():
     direct = remat.plan(small_model(), (x, np.arange(batch) % 10), optimizer="adam")
     memory = (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
     found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",),
-                          micro_batch_sizes=[32], margin=0.0, check_at="batch", verbose=True)
+                          micro_batch_sizes=[32], margin=0.0, check_at="batch", verbose=True,
+                          micro_batch_overhead=0.5)  # slices dearer than recomputing: the whole batch fits
     assert found.check_at == "batch" and "at its own rows" in str(found)
     rows = {(c.micro_batch_size, c.remat): c for c in found.configurations}
     # checked in the order of preference until one fits: plain does not, at the batch itself
