@@ -354,12 +354,51 @@ def _read_digest(info: dict) -> tuple:
 
 
 class _Shard:
-    def __init__(self, number: int, start: int, samples: int, paths: dict, digests: dict):
+    def __init__(self, number: int, start: int, samples: int, paths: dict, digests: dict, offsets: dict | None = None):
         self.number, self.start, self.samples, self.paths = number, start, samples, paths
+        self.offsets = offsets or {}  # {field: byte offset of the payload (after the .npy header)}
         self.files = [(paths[name], digests[name]) for name in paths]
         self.verifier: _verify.ShardVerifier | None = None
         self._arrays: dict | None = None
+        self._handles: dict = {}
         self._lock = threading.Lock()
+
+    def _cannot_read(self, error, path):
+        return ShardError(
+            error.filename if isinstance(error.filename, str) else path,
+            f"cannot be read ({error.strerror or error}); was it deleted or "
+            f"moved after the dataset was opened? Samples {self.start} to "
+            f"{self.start + self.samples - 1} (shard {self.number}).",
+        )
+
+    def read_into(self, name: str, first: int, out: np.ndarray) -> None:
+        """Fills `out` (C-contiguous, len(out) rows) with this shard's rows
+        `first`... of field `name`, by `os.preadv` from the file: the kernel
+        copies from the page cache into `out` with Python's GIL released, and
+        no page of a memmap is faulted in."""
+        if self.verifier is not None:
+            self.verifier.ensure(self.number)
+        path = self.paths[name]
+        handle = self._handles.get(name)
+        if handle is None:
+            with self._lock:
+                handle = self._handles.get(name)
+                if handle is None:
+                    try:
+                        handle = self._handles[name] = open(path, "rb", buffering=0)
+                    except OSError as error:
+                        raise self._cannot_read(error, path) from None
+        view = memoryview(out).cast("B")
+        position = self.offsets[name] + first * (out.nbytes // max(len(out), 1))
+        done = 0
+        while done < len(view):
+            try:
+                count = os.preadv(handle.fileno(), [view[done:]], position + done)
+            except OSError as error:
+                raise self._cannot_read(error, path) from None
+            if count == 0:
+                raise ShardError(path, f"ended early: shard {self.number} was truncated after the dataset was opened")
+            done += count
 
     def arrays(self) -> dict:
         if self.verifier is not None:
@@ -373,12 +412,7 @@ class _Shard:
                             for name, path in self.paths.items()
                         }
                     except OSError as error:
-                        raise ShardError(
-                            error.filename if isinstance(error.filename, str) else self.files[0][0],
-                            f"cannot be read ({error.strerror or error}); was it deleted or "
-                            f"moved after the dataset was opened? Samples {self.start} to "
-                            f"{self.start + self.samples - 1} (shard {self.number}).",
-                        ) from None
+                        raise self._cannot_read(error, self.files[0][0]) from None
         return self._arrays
 
 
@@ -497,11 +531,11 @@ class ShardedDataset:
                 raise ShardError(index_path, f"shard {number}: needs 'samples' and 'files'") from None
             if set(files) != set(self.fields):
                 raise ShardError(index_path, f"shard {number}: files for {sorted(files)}, fields are {sorted(self.fields)}")
-            paths = {}
+            paths, offsets = {}, {}
             for name, info in files.items():
-                paths[name] = self._check_file(index_path, number, name, info, samples)
+                paths[name], offsets[name] = self._check_file(index_path, number, name, info, samples)
             digests = {name: _read_digest(info) for name, info in files.items()}
-            shards.append(_Shard(number, start, samples, paths, digests))
+            shards.append(_Shard(number, start, samples, paths, digests, offsets))
             start += samples
         if int(index.get("samples", -1)) != start:
             raise ShardError(index_path, f"'samples' says {index.get('samples')!r} but the shards hold {start}")
@@ -556,7 +590,7 @@ class ShardedDataset:
             raise ShardError(path, f"{actual} bytes on disk, {expected} expected: truncated or padded")
         if info.get("bytes") is not None and int(info["bytes"]) != actual:
             raise ShardError(path, f"{actual} bytes on disk, the index says {info['bytes']}")
-        return path
+        return path, offset
 
     # -- information
     def __len__(self) -> int:
@@ -618,6 +652,22 @@ class ShardedDataset:
             position = shard.start + local_stop
             shard_number += 1
         return {n: p[0] if len(p) == 1 else np.concatenate(p) for n, p in pieces.items()}
+
+    def _read_into(self, start: int, stop: int, outs: dict, at: int) -> None:
+        """Samples [start, stop) into rows at... of each array in `outs`
+        ({field: array}), by `_Shard.read_into` (the GIL released while the
+        bytes move)."""
+        shard_number = int(np.searchsorted(self._starts, start, side="right") - 1)
+        position = start
+        while position < stop:
+            shard = self._shards[shard_number]
+            local_stop = min(stop, shard.start + shard.samples)
+            rows = local_stop - position
+            for name, out in outs.items():
+                shard.read_into(name, position - shard.start, out[at:at + rows])
+            at += rows
+            position = local_stop
+            shard_number += 1
 
     def _start_verification(self, block_starts) -> None:
         """Starts the background checks (once), in the order reads will need the
@@ -698,26 +748,28 @@ class ShardedDataset:
         plan = functools.lru_cache(maxsize=4)(functools.partial(self._epoch_plan, block))
 
         def read_batch(epoch_seed, number):
+            # Each batch is read into arrays of its own, which TF takes without a copy
+            # (an array that owns its data; a memmap view it would copy, holding the GIL).
             start = int(number) * batch_size
             stop = min(start + batch_size, total)
-            if shuffle and self._verifier is not None:
-                self._start_verification(plan(int(epoch_seed))[0][:, 0])
+            outs = {n: np.empty((stop - start,) + self.fields[n][1], self.fields[n][0]) for n in names}
+            if self._verifier is not None:
+                self._start_verification(plan(int(epoch_seed))[0][:, 0] if shuffle else None)
             if not shuffle:
-                arrays = self.read(start, stop, names)
-                return [arrays[n] for n in names]
+                self._read_into(start, stop, outs, 0)
+                return [outs[n] for n in names]
             blocks, ends = plan(int(epoch_seed))
             first = int(np.searchsorted(ends, start, side="right"))
             last = int(np.searchsorted(ends, stop - 1, side="right"))
-            parts = {n: [] for n in names}
+            at = 0
             for b in range(first, last + 1):
                 block_start, block_stop = blocks[b]
                 offset = ends[b] - (block_stop - block_start)  # position of the block in the order
                 lo = block_start + max(0, start - offset)
                 hi = block_start + min(block_stop - block_start, stop - offset)
-                piece = self.read(lo, hi, names)
-                for n in names:
-                    parts[n].append(piece[n])
-            return [np.concatenate(parts[n]) if len(parts[n]) > 1 else parts[n][0] for n in names]
+                self._read_into(int(lo), int(hi), outs, at)
+                at += int(hi - lo)
+            return [outs[n] for n in names]
 
         def to_batch(epoch_seed, number):
             tensors = tf.numpy_function(read_batch, [epoch_seed, number], dtypes, stateful=False)

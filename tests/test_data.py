@@ -405,6 +405,32 @@ def test_without_xxhash_the_sha256_is_checked(shards, monkeypatch):
         ShardedDataset(shards.directory).read(300, 310)
 
 
+def test_batches_are_read_by_pread_into_arrays_of_their_own(shards, monkeypatch):
+    """to_tf_dataset reads with os.preadv into new arrays (TF takes those
+    without a copy), not through memmaps: np.load is never called."""
+    x, y, w = arrays()
+    dataset = ShardedDataset(shards.directory, verify_on_read=False)
+
+    def no_memmap(*args, **kwargs):
+        raise AssertionError("to_tf_dataset memory-mapped a shard")
+
+    monkeypatch.setattr(np, "load", no_memmap)
+    for shuffle in (False, True):
+        ex, ey, ew = epoch(dataset.to_tf_dataset(96, shuffle=shuffle, seed=5, num_parallel_reads=-1))
+        assert sorted(ey.tolist()) == list(range(N))
+        np.testing.assert_array_equal(ex, x[ey])
+        np.testing.assert_array_equal(ew, w[ey])
+
+
+def test_a_shard_truncated_after_open_is_an_error_naming_it(shards):
+    path = os.path.join(shards.directory, "x-00002.npy")
+    dataset = ShardedDataset(shards.directory, verify_on_read=False)
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) - 24)
+    with pytest.raises(Exception, match=r"x-00002.npy: ended early: shard 2 was truncated after the dataset was opened"):
+        epoch(dataset.to_tf_dataset(100, shuffle=False))
+
+
 def test_a_shard_deleted_after_open(shards):
     path = os.path.join(shards.directory, "y-00001.npy")
     for verify in (True, False):

@@ -91,14 +91,14 @@ def io(args):
         for start in range(0, rows, batch):
             consume(data.read(start, min(start + batch, rows), [field])[field])
 
-    def kvram_pipeline(shuffle, verify=True):
+    def kvram_pipeline(shuffle, verify=True, reads=1):
         """A fresh dataset; with `verify`, every shard's checksum (XXH3-128) is checked on its
         first read (this process forgets earlier checks first): a first epoch,
         the check's worst case."""
         def run():
             _verify.forget_checked()
             fresh = ShardedDataset(directory, verify_on_read=verify)
-            for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0):
+            for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0, num_parallel_reads=reads):
                 consume(item.numpy())
         return run
 
@@ -131,6 +131,8 @@ def io(args):
         "kvram_unverified": kvram_pipeline(False, verify=False),
         "kvram_shuffled": kvram_pipeline(True),
         "kvram_shuffled_unverified": kvram_pipeline(True, verify=False),
+        "kvram_unverified_autotune": kvram_pipeline(False, verify=False, reads=-1),
+        "kvram_shuffled_unverified_autotune": kvram_pipeline(True, verify=False, reads=-1),
         "from_generator": from_generator,
         "from_tensor_slices": from_tensor_slices,
     }
