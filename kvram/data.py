@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -353,13 +354,98 @@ def _read_digest(info: dict) -> tuple:
     return "sha256", info.get("sha256") or None
 
 
+class _BufferPool:
+    """Arrays for batches, 64-byte aligned, reused once nothing holds them.
+
+    TensorFlow takes an array returned by `tf.numpy_function` without a copy
+    only when its data is aligned to Eigen's EIGEN_MAX_ALIGN_BYTES (64 bytes
+    covers every build; tensorflow/tensorflow#9690, #43925). numpy places a
+    large array 16 bytes into a page, so TF copies it, into fresh pages: on a
+    2-core VM that copy cost 2.1 ms for a 4 MiB batch, against 0.3 ms for
+    everything else tf.data does for it. While a tensor made from an array
+    lives, TF holds a reference to the array; once the last such tensor is
+    gone (TF lets go of it when its next Python function runs: a decref
+    cache) the array's reference count is the pool's alone again, and the
+    array is handed out anew: its pages are written again, not faulted in.
+    At most `keep_bytes` (and at least 4 arrays) are kept of each shape;
+    past that, arrays are made fresh and left to the garbage collector.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, keep_bytes: int = 256 << 20):
+        self.keep_bytes = keep_bytes
+        self._pools: dict = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def aligned(cls, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        raw = np.empty(nbytes + cls.ALIGN, np.uint8)
+        skip = -raw.ctypes.data % cls.ALIGN
+        return raw[skip:skip + nbytes].view(dtype).reshape(shape)
+
+    def take(self, shape, dtype) -> np.ndarray:
+        key = (tuple(shape), np.dtype(dtype).str)
+        with self._lock:
+            arrays = self._pools.setdefault(key, [])
+            for i in range(len(arrays)):
+                # references: the pool's list and getrefcount's argument, none else
+                if sys.getrefcount(arrays[i]) == 2:
+                    return arrays[i]
+            array = self.aligned(shape, dtype)
+            if len(arrays) < max(4, self.keep_bytes // max(array.nbytes, 1)):
+                arrays.append(array)
+            return array
+
+
 class _Shard:
-    def __init__(self, number: int, start: int, samples: int, paths: dict, digests: dict):
+    def __init__(self, number: int, start: int, samples: int, paths: dict, digests: dict, offsets: dict | None = None):
         self.number, self.start, self.samples, self.paths = number, start, samples, paths
+        self.offsets = offsets or {}  # {field: byte offset of the payload (after the .npy header)}
         self.files = [(paths[name], digests[name]) for name in paths]
         self.verifier: _verify.ShardVerifier | None = None
         self._arrays: dict | None = None
+        self._handles: dict = {}
         self._lock = threading.Lock()
+
+    def _cannot_read(self, error, path):
+        return ShardError(
+            error.filename if isinstance(error.filename, str) else path,
+            f"cannot be read ({error.strerror or error}); was it deleted or "
+            f"moved after the dataset was opened? Samples {self.start} to "
+            f"{self.start + self.samples - 1} (shard {self.number}).",
+        )
+
+    def read_into(self, name: str, first: int, out: np.ndarray) -> None:
+        """Fills `out` (C-contiguous, len(out) rows) with this shard's rows
+        `first`... of field `name`, by `os.preadv` from the file: the kernel
+        copies from the page cache into `out` with Python's GIL released, and
+        no page of a memmap is faulted in."""
+        if self.verifier is not None:
+            self.verifier.ensure(self.number)
+        path = self.paths[name]
+        handle = self._handles.get(name)
+        if handle is None:
+            with self._lock:
+                handle = self._handles.get(name)
+                if handle is None:
+                    try:
+                        handle = self._handles[name] = open(path, "rb", buffering=0)
+                    except OSError as error:
+                        raise self._cannot_read(error, path) from None
+        view = memoryview(out).cast("B")
+        position = self.offsets[name] + first * (out.nbytes // max(len(out), 1))
+        done = 0
+        while done < len(view):
+            try:
+                count = os.preadv(handle.fileno(), [view[done:]], position + done)
+            except OSError as error:
+                raise self._cannot_read(error, path) from None
+            if count == 0:
+                raise ShardError(path, f"ended early: shard {self.number} was truncated after the dataset was opened")
+            done += count
 
     def arrays(self) -> dict:
         if self.verifier is not None:
@@ -373,12 +459,7 @@ class _Shard:
                             for name, path in self.paths.items()
                         }
                     except OSError as error:
-                        raise ShardError(
-                            error.filename if isinstance(error.filename, str) else self.files[0][0],
-                            f"cannot be read ({error.strerror or error}); was it deleted or "
-                            f"moved after the dataset was opened? Samples {self.start} to "
-                            f"{self.start + self.samples - 1} (shard {self.number}).",
-                        ) from None
+                        raise self._cannot_read(error, self.files[0][0]) from None
         return self._arrays
 
 
@@ -497,11 +578,11 @@ class ShardedDataset:
                 raise ShardError(index_path, f"shard {number}: needs 'samples' and 'files'") from None
             if set(files) != set(self.fields):
                 raise ShardError(index_path, f"shard {number}: files for {sorted(files)}, fields are {sorted(self.fields)}")
-            paths = {}
+            paths, offsets = {}, {}
             for name, info in files.items():
-                paths[name] = self._check_file(index_path, number, name, info, samples)
+                paths[name], offsets[name] = self._check_file(index_path, number, name, info, samples)
             digests = {name: _read_digest(info) for name, info in files.items()}
-            shards.append(_Shard(number, start, samples, paths, digests))
+            shards.append(_Shard(number, start, samples, paths, digests, offsets))
             start += samples
         if int(index.get("samples", -1)) != start:
             raise ShardError(index_path, f"'samples' says {index.get('samples')!r} but the shards hold {start}")
@@ -556,7 +637,7 @@ class ShardedDataset:
             raise ShardError(path, f"{actual} bytes on disk, {expected} expected: truncated or padded")
         if info.get("bytes") is not None and int(info["bytes"]) != actual:
             raise ShardError(path, f"{actual} bytes on disk, the index says {info['bytes']}")
-        return path
+        return path, offset
 
     # -- information
     def __len__(self) -> int:
@@ -619,6 +700,35 @@ class ShardedDataset:
             shard_number += 1
         return {n: p[0] if len(p) == 1 else np.concatenate(p) for n, p in pieces.items()}
 
+    def _views(self, start: int, stop: int, names) -> list | None:
+        """Samples [start, stop) as views of the memmaps, when they lie in one
+        shard and every view is 64-byte aligned (else None): TF takes such
+        views without a copy (`_BufferPool`)."""
+        shard = self._shards[int(np.searchsorted(self._starts, start, side="right") - 1)]
+        if stop > shard.start + shard.samples:
+            return None
+        arrays = shard.arrays()
+        views = [arrays[n][start - shard.start:stop - shard.start] for n in names]
+        if any(v.ctypes.data % _BufferPool.ALIGN for v in views):
+            return None
+        return views
+
+    def _read_into(self, start: int, stop: int, outs: dict, at: int) -> None:
+        """Samples [start, stop) into rows at... of each array in `outs`
+        ({field: array}), by `_Shard.read_into` (the GIL released while the
+        bytes move)."""
+        shard_number = int(np.searchsorted(self._starts, start, side="right") - 1)
+        position = start
+        while position < stop:
+            shard = self._shards[shard_number]
+            local_stop = min(stop, shard.start + shard.samples)
+            rows = local_stop - position
+            for name, out in outs.items():
+                shard.read_into(name, position - shard.start, out[at:at + rows])
+            at += rows
+            position = local_stop
+            shard_number += 1
+
     def _start_verification(self, block_starts) -> None:
         """Starts the background checks (once), in the order reads will need the
         shards: that of `block_starts` (the first sample of each block read, in
@@ -646,11 +756,11 @@ class ShardedDataset:
         device: str | None = None,
         fields=None,
         block_size: int | None = None,
+        read: str = "pread",
     ):
         """A `tf.data.Dataset` of batches read from the memmapped shards.
 
-        Without shuffling each batch is one contiguous range of samples (a view
-        of the memmap handed to TF when it lies in one shard). With shuffling,
+        Without shuffling each batch is one contiguous range of samples. With shuffling,
         samples are cut into contiguous blocks of `block_size` rows (default
         batch_size // 8, at least 1), the blocks are put in a new random order
         every epoch, across shards, and each batch takes consecutive blocks of
@@ -665,15 +775,21 @@ class ShardedDataset:
             drop_remainder: drop the last, short batch.
             repeat: repeat forever (each epoch reshuffled).
             num_parallel_reads: batches read in parallel (-1: tf.data.AUTOTUNE).
-                Default 1: each read hands TF a numpy view that TF copies while
-                holding Python's GIL, so parallel readers contend (measured on
-                a 16-core H200 host: AUTOTUNE gave 1.2 GB/s from the page
-                cache; one reader here gives about 3.4 GB/s).
             prefetch: batches prefetched (-1: AUTOTUNE, 0: none).
             device: None or e.g. "GPU:0", to prefetch batches onto that device.
             fields: None (all fields, as a tuple in index order; a single field
                 alone), a field name, or a list of names (a tuple in that order).
             block_size: None or int >= 1, rows per shuffled block.
+            read: how bytes reach TF. "pread" (default): `os.preadv` from
+                the file into 64-byte-aligned arrays reused from a pool, which
+                TF takes without a copy; the kernel copies from the page cache
+                with Python's GIL released, a shard truncated after opening is
+                a `ShardError` naming it, and no page is mapped into the
+                process. "memmap": an unshuffled batch that lies in one shard
+                is handed to TF as a view of the memory-mapped shard, no copy
+                at all (the consumer's first touch reads the page cache); other
+                batches are assembled by pread as above. A file truncated
+                under a mapped view kills the process with SIGBUS.
 
         Returns:
             A dataset with known cardinality (`assert_cardinality`), so Keras
@@ -684,6 +800,8 @@ class ShardedDataset:
         from kvram import _checks
 
         batch_size = _checks.positive_int("batch_size", batch_size)
+        if read not in ("pread", "memmap"):
+            raise ValueError(f'read must be "pread" or "memmap". Received: read={read!r}')
         block_size = _checks.positive_int("block_size", block_size, allow_none=True)
         names = self._field_names(fields)
         total = len(self)
@@ -697,27 +815,35 @@ class ShardedDataset:
         block = block_size or max(1, batch_size // 8)
         plan = functools.lru_cache(maxsize=4)(functools.partial(self._epoch_plan, block))
 
+        buffers = _BufferPool()
+
         def read_batch(epoch_seed, number):
+            # Each batch is read into aligned arrays of the pool's, which TF takes
+            # without a copy (a memmap view it would copy, holding the GIL).
             start = int(number) * batch_size
             stop = min(start + batch_size, total)
-            if shuffle and self._verifier is not None:
-                self._start_verification(plan(int(epoch_seed))[0][:, 0])
+            if read == "memmap" and not shuffle:
+                views = self._views(start, stop, names)
+                if views is not None:
+                    return views
+            outs = {n: buffers.take((stop - start,) + self.fields[n][1], self.fields[n][0]) for n in names}
+            if self._verifier is not None:
+                self._start_verification(plan(int(epoch_seed))[0][:, 0] if shuffle else None)
             if not shuffle:
-                arrays = self.read(start, stop, names)
-                return [arrays[n] for n in names]
+                self._read_into(start, stop, outs, 0)
+                return [outs[n] for n in names]
             blocks, ends = plan(int(epoch_seed))
             first = int(np.searchsorted(ends, start, side="right"))
             last = int(np.searchsorted(ends, stop - 1, side="right"))
-            parts = {n: [] for n in names}
+            at = 0
             for b in range(first, last + 1):
                 block_start, block_stop = blocks[b]
                 offset = ends[b] - (block_stop - block_start)  # position of the block in the order
                 lo = block_start + max(0, start - offset)
                 hi = block_start + min(block_stop - block_start, stop - offset)
-                piece = self.read(lo, hi, names)
-                for n in names:
-                    parts[n].append(piece[n])
-            return [np.concatenate(parts[n]) if len(parts[n]) > 1 else parts[n][0] for n in names]
+                self._read_into(int(lo), int(hi), outs, at)
+                at += int(hi - lo)
+            return [outs[n] for n in names]
 
         def to_batch(epoch_seed, number):
             tensors = tf.numpy_function(read_batch, [epoch_seed, number], dtypes, stateful=False)

@@ -405,6 +405,62 @@ def test_without_xxhash_the_sha256_is_checked(shards, monkeypatch):
         ShardedDataset(shards.directory).read(300, 310)
 
 
+def test_batches_are_read_by_pread_into_arrays_of_their_own(shards, monkeypatch):
+    """to_tf_dataset reads with os.preadv into new arrays (TF takes those
+    without a copy), not through memmaps: np.load is never called."""
+    x, y, w = arrays()
+    dataset = ShardedDataset(shards.directory, verify_on_read=False)
+
+    def no_memmap(*args, **kwargs):
+        raise AssertionError("to_tf_dataset memory-mapped a shard")
+
+    monkeypatch.setattr(np, "load", no_memmap)
+    for shuffle in (False, True):
+        ex, ey, ew = epoch(dataset.to_tf_dataset(96, shuffle=shuffle, seed=5, num_parallel_reads=-1))
+        assert sorted(ey.tolist()) == list(range(N))
+        np.testing.assert_array_equal(ex, x[ey])
+        np.testing.assert_array_equal(ew, w[ey])
+
+
+def test_memmap_and_pread_batches_are_equal(shards):
+    dataset = ShardedDataset(shards.directory, verify_on_read=False)
+    for shuffle in (False, True):
+        by_pread = epoch(dataset.to_tf_dataset(96, shuffle=shuffle, seed=5))
+        by_memmap = epoch(dataset.to_tf_dataset(96, shuffle=shuffle, seed=5, read="memmap"))
+        for a, b in zip(by_pread, by_memmap):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r'read must be "pread" or "memmap". Received: read=\'mmap\''):
+        dataset.to_tf_dataset(96, read="mmap")
+
+
+def test_batch_arrays_are_reused_only_when_nothing_holds_them(shards):
+    """TF takes the pool's aligned arrays without a copy; a batch dropped by
+    the consumer gives its array back, a batch held keeps its contents."""
+    x, y, w = arrays()
+    dataset = ShardedDataset(shards.directory, verify_on_read=False)
+    # dropped as they come: the same few arrays serve the whole epoch
+    addresses, rows = set(), 0
+    for bx, by, bw in dataset.to_tf_dataset(10, shuffle=True, seed=3, prefetch=0):
+        addresses.add(np.asarray(bx).ctypes.data)
+        rows += len(by)
+    assert rows == N and len(addresses) <= 8, (rows, len(addresses))  # of 100 batches
+    # all held: every batch in memory of its own, none overwritten by a later one
+    held = list(dataset.to_tf_dataset(10, shuffle=True, seed=3, prefetch=0))
+    assert len({np.asarray(bx).ctypes.data for bx, _, _ in held}) == len(held)
+    for bx, by, bw in held:
+        np.testing.assert_array_equal(np.asarray(bx), x[np.asarray(by)])
+        np.testing.assert_array_equal(np.asarray(bw), w[np.asarray(by)])
+
+
+def test_a_shard_truncated_after_open_is_an_error_naming_it(shards):
+    path = os.path.join(shards.directory, "x-00002.npy")
+    dataset = ShardedDataset(shards.directory, verify_on_read=False)
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) - 24)
+    with pytest.raises(Exception, match=r"x-00002.npy: ended early: shard 2 was truncated after the dataset was opened"):
+        epoch(dataset.to_tf_dataset(100, shuffle=False))
+
+
 def test_a_shard_deleted_after_open(shards):
     path = os.path.join(shards.directory, "y-00001.npy")
     for verify in (True, False):
