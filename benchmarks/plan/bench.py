@@ -88,12 +88,13 @@ def child(args) -> dict:
         save(plain_float32=timed(f32, kvram=False)["plain"])
     if args.try_all:
         tried = []
-        # the configurations predicted to fit first: those predicted not to are
-        # tried too (they may run out of memory), while time is left
+        # the configurations predicted to fit first, the fastest predicted first:
+        # those predicted not to fit are tried too (they may run out of
+        # memory), while time is left
         others = sorted((c for c in found.configurations
                          if c.precision == found.recommended.precision and c is not found.recommended
                          and (c.micro_batch_size, c.remat) not in measured_before),
-                        key=lambda c: not c.fits)
+                        key=lambda c: (not c.fits, c.relative_step_time))
         for c in others:
             entry = {"micro_batch_size": c.micro_batch_size, "remat": c.remat,
                      "predicted_peak_bytes": c.predicted_peak_bytes, "predicted_by": c.predicted_by,

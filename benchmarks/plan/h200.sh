@@ -4,6 +4,7 @@
 # machine) and are copied to $OUT.
 #   bash benchmarks/plan/h200.sh estimates                   # EfficientNetV2S under 16 and 48 GiB
 #   bash benchmarks/plan/h200.sh measure MODEL CAP FROM SECONDS [extra bench.py flags]
+#   bash benchmarks/plan/h200.sh full MODEL CAP SECONDS [extra bench.py flags]   # estimate, measure, try all
 set -u
 source /tmp/tf-env.sh || exit 1
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
@@ -37,6 +38,15 @@ case "$1" in
     timeout "${TIMEOUT:-575}" python3 $bench --child --model "$model" --cap "$cap" --batch-size 256 --precision mixed_bfloat16 \
       --steps 10 --try-all --estimate-from "$from" --budget-seconds "$seconds" --out "/tmp/plan/${name}_tryall.json" \
       "$@" 2>&1 | grep -v "UserWarning\|data_adapter" | tee "/tmp/plan/${name}_tryall.log"
+    ;;
+  full)
+    autotune /tmp/xla_autotune
+    model=$2 cap=$3 seconds=$4
+    shift 4
+    name=plan_$(echo "$model" | tr 'A-Z' 'a-z')_${cap%GiB}
+    timeout "${TIMEOUT:-585}" python3 $bench --child --model "$model" --cap "$cap" --batch-size 256 --precision mixed_bfloat16 \
+      --steps 10 --try-all --budget-seconds "$seconds" --out "/tmp/plan/${name}.json" \
+      "$@" 2>&1 | grep -v "UserWarning\|data_adapter" | tee "/tmp/plan/${name}.log"
     ;;
 esac
 cp /tmp/plan/*.json /tmp/plan/*.log "$OUT"/ 2>/dev/null
