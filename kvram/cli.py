@@ -106,6 +106,22 @@ def _shards_write(args) -> int:
     return 0
 
 
+def _shards_write_images(args) -> int:
+    from kvram import data
+
+    try:
+        dataset = data.write_image_shards(
+            args.source, args.out, size=args.size, samples_per_shard=args.samples_per_shard,
+            workers=args.workers, overwrite=args.overwrite, verbose=1,
+        )
+    except ImportError as error:
+        raise SystemExit(f"kvram shards write-images needs Pillow (pip install 'kvram[images]'): {error}") from None
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        raise SystemExit(f"kvram shards write-images: {error}") from None
+    print(dataset)
+    return 0
+
+
 def _shards_inspect(args) -> int:
     from kvram import data
 
@@ -252,6 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
     write.add_argument("--fields", default=None, help="comma-separated fields to keep, in order")
     write.add_argument("--overwrite", action="store_true")
     write.set_defaults(func=_shards_write)
+    images = shards_sub.add_parser(
+        "write-images", help="SRC_DIR OUT_DIR: a folder of class sub-folders of images to uint8 shards")
+    images.add_argument("source", help="SRC_DIR/CLASS/IMAGE files (ImageFolder's layout)")
+    images.add_argument("out")
+    images.add_argument("--size", type=_positive, default=224, help="side of the square output (default 224)")
+    images.add_argument("--workers", type=_positive, default=None, help="decoding threads (default: every CPU)")
+    images.add_argument("--samples-per-shard", type=_positive, default=4096)
+    images.add_argument("--overwrite", action="store_true")
+    images.set_defaults(func=_shards_write_images)
     inspect = shards_sub.add_parser("inspect", help="counts, dtypes, sizes; --verify checksums")
     inspect.add_argument("directory")
     inspect.add_argument("--verify", action="store_true", help="check every file's SHA-256")

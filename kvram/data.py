@@ -34,7 +34,7 @@ import numpy as np
 
 from kvram import _verify
 
-__all__ = ["write_shards", "ShardedDataset", "ShardError", "FORMAT", "VERSION"]
+__all__ = ["write_shards", "write_image_shards", "ShardedDataset", "ShardError", "FORMAT", "VERSION"]
 
 FORMAT = "kvram-shards"
 VERSION = 1
@@ -112,6 +112,7 @@ def write_shards(
     checksum: bool = True,
     overwrite: bool = False,
     verbose: int = 1,
+    _metadata=None,
 ) -> "ShardedDataset":
     """Writes `source` to `directory` as `.npy` shards plus `index.json`.
 
@@ -156,6 +157,8 @@ def write_shards(
         lock = _lock_staging(staging)
         _clean_up_after_other_writers(directory, staging)
         index = _write_into(staging, batches, total, samples_per_shard, checksum, verbose)
+        if _metadata is not None:  # a function of the staging directory, called once the shards are written
+            index.update(_metadata(staging))
         with open(os.path.join(staging, INDEX), "w") as handle:
             json.dump(index, handle, indent=1)
             handle.flush()
@@ -900,3 +903,6 @@ class ShardedDataset:
     def __repr__(self) -> str:
         return (f"ShardedDataset({self.directory!r}: {len(self)} samples in {len(self._shards)} "
                 f"shards, fields {({n: (d.str, s) for n, (d, s) in self.fields.items()})})")
+
+
+from kvram._images import write_image_shards  # noqa: E402  (it writes through write_shards)

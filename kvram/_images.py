@@ -1,0 +1,199 @@
+"""A folder of images (one sub-folder per class) to uint8 shards:
+`kvram.data.write_image_shards` and `kvram shards write-images`."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import os
+import warnings
+
+import numpy as np
+
+RESIZE = "shorter side to `size` (bilinear, antialiased), then the centre `size` x `size` crop"
+
+
+def _classes(source: str) -> tuple[list, list]:
+    """Class names (sorted sub-folder names) and every file under them, as
+    (path, label) sorted by class then path (hidden files included: a file
+    that is not an image is reported, not ignored)."""
+    if not os.path.isdir(source):
+        raise FileNotFoundError(f"No such directory: {source!r} (expected one sub-folder per class)")
+    names = sorted(e.name for e in os.scandir(source) if e.is_dir() and not e.name.startswith("."))
+    if not names:
+        raise ValueError(f"{source} has no class sub-folders: expected SRC/CLASS/IMAGE files, "
+                         "as torchvision's ImageFolder and keras.utils.image_dataset_from_directory read them.")
+    files = []
+    for label, name in enumerate(names):
+        for root, dirs, found in os.walk(os.path.join(source, name)):
+            dirs.sort()
+            files.extend((os.path.join(root, f), label) for f in sorted(found))
+    return names, files
+
+
+def _load(path: str, size: int, min_side: int, max_pixels: int):
+    """(pixels uint8 (size, size, 3) or None, action, reason): action is
+    "ok", "converted" or "skipped"."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                width, height = image.size
+                if width * height > max_pixels:
+                    return None, "skipped", f"too large: {width}x{height} is over {max_pixels} pixels"
+                if min(width, height) < min_side:
+                    return None, "skipped", f"too small: {width}x{height}, the shorter side is under {min_side}"
+                mode, kind = image.mode, image.format
+                if kind == "JPEG":
+                    # decode at the smallest DCT scale still at least `size` on the shorter side
+                    scale = min(width, height) / size
+                    image.draft("RGB", (int(width / scale), int(height / scale)))
+                image.load()
+                reason = None
+                if mode != "RGB":
+                    reason = f"{mode} converted to RGB"
+                    if mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in image.info):
+                        # transparent pixels onto white, not onto whatever colour they hide
+                        rgba = image.convert("RGBA")
+                        image = Image.new("RGB", rgba.size, (255, 255, 255))
+                        image.paste(rgba, mask=rgba.getchannel("A"))
+                    else:
+                        image = image.convert("RGB")
+                pixels = _resize(image, size)
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        return None, "skipped", f"not an image Pillow can read ({type(error).__name__}: {error})"
+    except (OSError, SyntaxError, ValueError) as error:  # truncated or corrupt data
+        return None, "skipped", f"corrupt ({type(error).__name__}: {error})"
+    return pixels, ("ok" if reason is None else "converted"), reason
+
+
+def _resize(image, size: int) -> np.ndarray:
+    from PIL import Image
+
+    width, height = image.size
+    scale = size / min(width, height)
+    new = (max(size, round(width * scale)), max(size, round(height * scale)))
+    if new != image.size:
+        image = image.resize(new, Image.Resampling.BILINEAR, reducing_gap=None)
+    left, top = (new[0] - size) // 2, (new[1] - size) // 2
+    return np.asarray(image.crop((left, top, left + size, top + size)), dtype=np.uint8)
+
+
+def write_image_shards(
+    source,
+    directory,
+    size: int = 224,
+    samples_per_shard: int = 4096,
+    workers: int | None = None,
+    min_side: int = 8,
+    max_pixels: int | None = None,
+    checksum: bool = True,
+    overwrite: bool = False,
+    verbose: int = 1,
+):
+    """Decodes a folder of images, one sub-folder per class (the layout of
+    torchvision's `ImageFolder` and `keras.utils.image_dataset_from_directory`),
+    into uint8 shards: fields "x" (N, size, size, 3) and "y" (int64 labels, the
+    classes' sorted order).
+
+    Images are decoded with Pillow in `workers` threads (Pillow releases the
+    GIL while it decodes and resizes), in order, and resized: the shorter side
+    to `size` (bilinear, antialiased), then the centre `size` x `size` crop
+    (torchvision's Resize(size) + CenterCrop(size)). A JPEG is decoded at the
+    smallest DCT scale still at least `size` on its shorter side (Pillow's
+    `draft`), which is most of the speed of a large JPEG.
+
+    Files are converted or skipped, never fatal: grayscale, CMYK, palette and
+    16-bit images are converted to RGB (transparency onto white); a file
+    Pillow cannot identify (not an image), a corrupt or truncated image, one
+    whose shorter side is under `min_side` and one of more than `max_pixels`
+    are skipped. Each is listed with its reason in the index's "report" and
+    in `report.json`, and counted in the summary printed at the end.
+
+    The write is `write_shards`'s: atomic (nothing under `directory` until
+    complete; an interrupted or killed run leaves no partial output under
+    that name), with a progress bar of images decoded.
+
+    Args:
+        source: the folder of class sub-folders.
+        directory: where to write (must not exist unless `overwrite=True`).
+        size: int >= 1, the side of the square output.
+        samples_per_shard: images per shard file.
+        workers: decoding threads (default: the CPUs this process may use).
+        min_side: shorter sides below this are skipped.
+        max_pixels: larger images are skipped (default: Pillow's
+            `Image.MAX_IMAGE_PIXELS`, its decompression-bomb limit).
+        checksum, overwrite: as for `write_shards`.
+        verbose: 0 or 1: progress bar and summary.
+
+    Returns:
+        The `ShardedDataset`; its `index["classes"]` are the class names,
+        `index["report"]` the files converted or skipped, with reasons.
+    """
+    from PIL import Image
+
+    from kvram import _checks, data
+
+    size = _checks.positive_int("size", size)
+    min_side = _checks.positive_int("min_side", min_side)
+    workers = _checks.positive_int("workers", workers, allow_none=True) or len(os.sched_getaffinity(0))
+    max_pixels = (_checks.positive_int("max_pixels", max_pixels, allow_none=True)
+                  or Image.MAX_IMAGE_PIXELS or 2**62)  # None: Pillow's check turned off
+    source = os.path.abspath(os.fspath(source))
+    names, files = _classes(source)
+    if not files:
+        raise ValueError(f"{source}: the class sub-folders {names} hold no files.")
+    report, counts = [], collections.Counter()
+    progress = None
+    if verbose:
+        from keras.utils import Progbar
+
+        progress = Progbar(len(files), unit_name="image")
+
+    def batches():
+        chunk = max(64, 8 * workers)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for start in range(0, len(files), chunk):
+                part = files[start:start + chunk]
+                results = pool.map(lambda f: _load(f[0], size, min_side, max_pixels), part)
+                xs, ys = [], []
+                for (path, label), (pixels, action, reason) in zip(part, results):
+                    counts[action] += 1
+                    if reason is not None:
+                        report.append({"path": os.path.relpath(path, source), "action": action, "reason": reason})
+                    if pixels is not None:
+                        xs.append(pixels)
+                        ys.append(label)
+                if progress is not None:
+                    progress.update(min(start + chunk, len(files)))
+                if xs:
+                    yield {"x": np.stack(xs), "y": np.asarray(ys, np.int64)}
+
+    def metadata(staging):
+        found = {"classes": names, "source": source, "size": size, "resize": RESIZE,
+                 "counts": {k: counts[k] for k in ("ok", "converted", "skipped")}, "report": report}
+        with open(os.path.join(staging, "report.json"), "w") as handle:
+            json.dump({"counts": found["counts"], "files": report}, handle, indent=1)
+        return found
+
+    try:
+        dataset = data.write_shards(
+            batches(), directory, samples_per_shard=samples_per_shard, checksum=checksum,
+            overwrite=overwrite, verbose=0, _metadata=metadata,
+        )
+    except ValueError as error:
+        if counts["ok"] + counts["converted"]:
+            raise
+        reasons = collections.Counter(r["reason"].split(":")[0] for r in report)
+        raise ValueError(f"{source}: every one of the {len(files)} files was skipped "
+                         f"({dict(reasons)}); nothing was written.") from error
+    if verbose:
+        c = dataset.index["counts"]
+        print(f"{len(files)} files in {len(names)} classes: {c['ok']} written as they were, "
+              f"{c['converted']} converted, {c['skipped']} skipped; report: "
+              f"{os.path.join(dataset.directory, 'report.json')}")
+    return dataset
+
