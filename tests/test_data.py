@@ -438,12 +438,15 @@ def test_batch_arrays_are_reused_only_when_nothing_holds_them(shards):
     the consumer gives its array back, a batch held keeps its contents."""
     x, y, w = arrays()
     dataset = ShardedDataset(shards.directory, verify_on_read=False)
-    # dropped as they come: the same few arrays serve the whole epoch
+    # dropped as they come: the same few arrays serve the whole epoch (one
+    # reader, no prefetch: AUTOTUNE's readers keep more in flight)
     addresses, rows = set(), 0
-    for bx, by, bw in dataset.to_tf_dataset(10, shuffle=True, seed=3, prefetch=0):
+    for bx, by, bw in dataset.to_tf_dataset(10, shuffle=True, seed=3, prefetch=0, num_parallel_reads=1):
         addresses.add(np.asarray(bx).ctypes.data)
         rows += len(by)
-    assert rows == N and len(addresses) <= 8, (rows, len(addresses))  # of 100 batches
+    # 100 batches; without reuse, 100 arrays. tf.data's own buffers decide how
+    # many are alive at once: 5-12 in runs here
+    assert rows == N and len(addresses) < 25, (rows, len(addresses))
     # all held: every batch in memory of its own, none overwritten by a later one
     held = list(dataset.to_tf_dataset(10, shuffle=True, seed=3, prefetch=0))
     assert len({np.asarray(bx).ctypes.data for bx, _, _ in held}) == len(held)
