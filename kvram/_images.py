@@ -7,6 +7,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import tempfile
 import warnings
 
 import numpy as np
@@ -32,9 +33,10 @@ def _classes(source: str) -> tuple[list, list]:
     return names, files
 
 
-def _load(path: str, size: int, min_side: int, max_pixels: int):
+def _load(path: str, size: int, min_side: int, max_pixels: int, quality: int | None = None):
     """(pixels uint8 (size, size, 3) or None, action, reason): action is
-    "ok", "converted" or "skipped"."""
+    "ok", "converted" or "skipped". With `quality`: the pixels as JPEG bytes
+    of that quality instead."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -67,7 +69,19 @@ def _load(path: str, size: int, min_side: int, max_pixels: int):
         return None, "skipped", f"not an image Pillow can read ({type(error).__name__}: {error})"
     except (OSError, SyntaxError, ValueError) as error:  # truncated or corrupt data
         return None, "skipped", f"corrupt ({type(error).__name__}: {error})"
+    if quality is not None:
+        pixels = _jpeg(pixels, quality)
     return pixels, ("ok" if reason is None else "converted"), reason
+
+
+def _jpeg(pixels: np.ndarray, quality: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=quality)
+    return out.getvalue()
 
 
 def _resize(image, size: int) -> np.ndarray:
@@ -93,6 +107,8 @@ def write_image_shards(
     checksum: bool = True,
     overwrite: bool = False,
     verbose: int = 1,
+    encoded: bool = False,
+    quality: int = 90,
 ):
     """Decodes a folder of images, one sub-folder per class (the layout of
     torchvision's `ImageFolder` and `keras.utils.image_dataset_from_directory`),
@@ -128,6 +144,14 @@ def write_image_shards(
             `Image.MAX_IMAGE_PIXELS`, its decompression-bomb limit).
         checksum, overwrite: as for `write_shards`.
         verbose: 0 or 1: progress bar and summary.
+        encoded: store each image, resized and cropped as above, as JPEG bytes
+            of `quality` (field "jpeg", numpy fixed-width bytes as wide as the
+            longest encoding, which JPEG's end marker lets trailing zero bytes
+            pad), to be decoded while training by `decode_jpeg` (for data sets
+            too large to store decoded: a 224x224 photo is 147 KiB decoded and
+            typically 10-30 KiB as JPEG). The encodings are spooled to an
+            unnamed temporary file next to `directory`, then written.
+        quality: JPEG quality (1-95) with `encoded`.
 
     Returns:
         The `ShardedDataset`; its `index["classes"]` are the class names,
@@ -142,6 +166,8 @@ def write_image_shards(
     workers = _checks.positive_int("workers", workers, allow_none=True) or len(os.sched_getaffinity(0))
     max_pixels = (_checks.positive_int("max_pixels", max_pixels, allow_none=True)
                   or Image.MAX_IMAGE_PIXELS or 2**62)  # None: Pillow's check turned off
+    if not (isinstance(quality, int) and 1 <= quality <= 95):
+        raise ValueError(f"quality must be an int in [1, 95] (Pillow's JPEG range). Received: quality={quality!r}")
     source = os.path.abspath(os.fspath(source))
     names, files = _classes(source)
     if not files:
@@ -153,12 +179,13 @@ def write_image_shards(
 
         progress = Progbar(len(files), unit_name="image")
 
-    def batches():
+    def decoded():
         chunk = max(64, 8 * workers)
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             for start in range(0, len(files), chunk):
                 part = files[start:start + chunk]
-                results = pool.map(lambda f: _load(f[0], size, min_side, max_pixels), part)
+                results = pool.map(
+                    lambda f: _load(f[0], size, min_side, max_pixels, quality if encoded else None), part)
                 xs, ys = [], []
                 for (path, label), (pixels, action, reason) in zip(part, results):
                     counts[action] += 1
@@ -170,10 +197,29 @@ def write_image_shards(
                 if progress is not None:
                     progress.update(min(start + chunk, len(files)))
                 if xs:
-                    yield {"x": np.stack(xs), "y": np.asarray(ys, np.int64)}
+                    yield xs, np.asarray(ys, np.int64)
+
+    def batches():
+        if not encoded:
+            for xs, ys in decoded():
+                yield {"x": np.stack(xs), "y": ys}
+            return
+        # JPEG lengths vary and a field's rows have one width: spool, then pad to the longest
+        with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(os.fspath(directory)))) as spool:
+            parts = []
+            for xs, ys in decoded():
+                lengths = np.array([len(b) for b in xs], np.int64)
+                spool.write(b"".join(xs))
+                parts.append((lengths, ys))
+            width = max(int(lengths.max()) for lengths, _ in parts)
+            spool.seek(0)
+            for lengths, ys in parts:
+                blobs = [spool.read(int(n)) for n in lengths]
+                yield {"jpeg": np.array(blobs, dtype=f"S{width}"), "y": ys}
 
     def metadata(staging):
         found = {"classes": names, "source": source, "size": size, "resize": RESIZE,
+                 "encoding": f"JPEG quality {quality}" if encoded else None,
                  "counts": {k: counts[k] for k in ("ok", "converted", "skipped")}, "report": report}
         with open(os.path.join(staging, "report.json"), "w") as handle:
             json.dump({"counts": found["counts"], "files": report}, handle, indent=1)
@@ -197,3 +243,57 @@ def write_image_shards(
               f"{os.path.join(dataset.directory, 'report.json')}")
     return dataset
 
+
+def decode_jpeg(dataset, crop: int | None = None, random_crop: bool = False, flip: bool = False,
+                seed: int | None = None, field=0):
+    """Decodes the JPEG bytes of a batched dataset (`ShardedDataset.to_tf_dataset`
+    of shards from `write_image_shards(..., encoded=True)`) into uint8 images,
+    in parallel, inside tf.data.
+
+    Args:
+        dataset: batches whose element `field` (index of a tuple, or key of a
+            dict) is a string tensor of JPEG bytes.
+        crop: None (the whole image) or the side of a square crop, taken from
+            the centre, or anywhere with `random_crop`; only the crop's part of
+            the image is decoded (`tf.image.decode_and_crop_jpeg`).
+        random_crop: a new random crop position per image.
+        flip: flip each image left-right with probability 1/2.
+        seed: op-level seed of the random crop and flip (each iterator then
+            gives the same sequence).
+
+    Returns:
+        The dataset with that element replaced by uint8 images (batch, h, w, 3).
+    """
+    import tensorflow as tf
+
+    if crop is not None and not (isinstance(crop, int) and crop >= 1):
+        raise ValueError(f"crop must be None or an int >= 1. Received: crop={crop!r}")
+    if random_crop and crop is None:
+        raise ValueError("random_crop needs crop (the side of the crop).")
+
+    def one(data):
+        if crop is None:
+            image = tf.io.decode_jpeg(data, channels=3)
+        else:
+            shape = tf.io.extract_jpeg_shape(data)
+            room = shape[:2] - crop
+            tf.debugging.assert_non_negative(room, message=f"an image is smaller than crop={crop}")
+            if random_crop:
+                corner = tf.cast(tf.random.uniform([2], seed=seed) * tf.cast(room + 1, tf.float32), tf.int32)
+                corner = tf.minimum(corner, room)
+            else:
+                corner = room // 2
+            image = tf.image.decode_and_crop_jpeg(data, tf.stack([corner[0], corner[1], crop, crop]), channels=3)
+        if flip:
+            image = tf.image.random_flip_left_right(image, seed=seed)
+        return image
+
+    def batch(*element):
+        element = list(element) if len(element) > 1 else element[0]
+        jpegs = element[field]
+        images = tf.map_fn(one, jpegs, fn_output_signature=tf.TensorSpec((crop, crop, 3), tf.uint8),
+                           parallel_iterations=16)
+        element[field] = images
+        return tuple(element) if isinstance(element, list) else element
+
+    return dataset.map(batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

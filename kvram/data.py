@@ -34,7 +34,7 @@ import numpy as np
 
 from kvram import _verify
 
-__all__ = ["write_shards", "write_image_shards", "ShardedDataset", "ShardError", "FORMAT", "VERSION"]
+__all__ = ["write_shards", "write_image_shards", "decode_jpeg", "ShardedDataset", "ShardError", "FORMAT", "VERSION"]
 
 FORMAT = "kvram-shards"
 VERSION = 1
@@ -909,4 +909,4 @@ class ShardedDataset:
                 f"shards, fields {({n: (d.str, s) for n, (d, s) in self.fields.items()})})")
 
 
-from kvram._images import write_image_shards  # noqa: E402  (it writes through write_shards)
+from kvram._images import decode_jpeg, write_image_shards  # noqa: E402  (they use write_shards)

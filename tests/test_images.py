@@ -186,3 +186,39 @@ def test_cli_write_images(folder, tmp_path, capsys):
     assert dataset.fields["x"][1] == (24, 24, 3) and dataset.index["classes"] == ["cat", "dog"]
     with pytest.raises(SystemExit, match="kvram shards write-images: .* exists"):
         cli.main(["shards", "write-images", str(source), str(tmp_path / "out")])
+
+
+def test_encoded_shards_decode_in_tf_data_to_the_stored_pixels(folder, tmp_path):
+    source, _ = folder
+    pixels = data.write_image_shards(source, tmp_path / "pixels", size=32, verbose=0)
+    encoded = data.write_image_shards(source, tmp_path / "jpeg", size=32, encoded=True, quality=95,
+                                      samples_per_shard=2, verbose=0)
+    assert set(encoded.fields) == {"jpeg", "y"} and encoded.fields["jpeg"][0].kind == "S"
+    assert encoded.index["encoding"] == "JPEG quality 95"
+    expected = pixels.read(0, 5)["x"]
+    images, labels = [], []
+    for x, y in data.decode_jpeg(encoded.to_tf_dataset(2, shuffle=False)):
+        images.append(x.numpy())
+        labels.append(y.numpy())
+    images, labels = np.concatenate(images), np.concatenate(labels)
+    assert images.shape == (5, 32, 32, 3) and images.dtype == np.uint8
+    np.testing.assert_array_equal(labels, [0, 0, 0, 1, 1])
+    error = np.abs(images.astype(int) - expected.astype(int))
+    assert error.mean() < 3, error.mean()
+    # the centre crop is the centre of the whole image (only that part decoded)
+    (centre, _), = data.decode_jpeg(encoded.to_tf_dataset(5, shuffle=False), crop=24)
+    np.testing.assert_array_equal(centre.numpy(), images[:, 4:28, 4:28])
+    # random crops (and flips) are windows of the whole image
+    (crops, _), = data.decode_jpeg(encoded.to_tf_dataset(5, shuffle=False), crop=24, random_crop=True,
+                                   flip=True, seed=1)
+    corners = set()
+    for image, whole in zip(crops.numpy(), images):
+        found = [(i, j, f) for i in range(9) for j in range(9) for f in (False, True)
+                 if np.array_equal(image[:, ::-1] if f else image, whole[i:i + 24, j:j + 24])]
+        assert found, "a random crop is not a window of its image"
+        corners.add(found[0][:2])
+    assert len(corners) > 1  # not always the same place
+    with pytest.raises(ValueError, match="random_crop needs crop"):
+        data.decode_jpeg(encoded.to_tf_dataset(5), random_crop=True)
+    with pytest.raises(ValueError, match=r"quality must be an int in \[1, 95\]"):
+        data.write_image_shards(source, tmp_path / "q", encoded=True, quality=100, verbose=0)
