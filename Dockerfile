@@ -9,7 +9,7 @@ RUN useradd --create-home --uid 1000 kvram
 WORKDIR /opt/kvram
 COPY docker/constraints.txt pyproject.toml README.md ./
 COPY kvram ./kvram
-RUN pip install --no-cache-dir --constraint constraints.txt ".[gpu]"
+RUN pip install --no-cache-dir --constraint constraints.txt ".[gpu,images]"
 USER 1000
 WORKDIR /home/kvram
 CMD ["kvram", "info"]

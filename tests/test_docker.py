@@ -103,9 +103,11 @@ def image(tmp_path_factory):
 
 
 def test_pip_install_then_cmd(image):
-    """The image's install line, without the [gpu] extra's NVIDIA wheels, in a
-    fresh venv on exactly the copied files; then its CMD from another directory."""
-    command = [a.replace(".[gpu]", ".") for a in pip_line()]
+    """The image's install line, without the [gpu] extra's NVIDIA wheels (with
+    the [images] extra's Pillow), in a fresh venv on exactly the copied files;
+    then its CMD from another directory."""
+    command = [a.replace("[gpu,images]", "[images]") for a in pip_line()]
+    assert ".[images]" in command, command
     pip = os.path.join(image["venv"], "bin", "pip")
     done = subprocess.run([pip, *command[1:]], cwd=image["workdir"], env=image["env"],
                           capture_output=True, text=True)
