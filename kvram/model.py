@@ -334,7 +334,12 @@ class Model(keras.Model):
             self._symbolic_build(data_batch=data_batch)
 
     def make_train_function(self, force=False):
-        if self._micro_batch_size is None and self._batch_controller is None:
+        strategy = getattr(self, "_distribute_strategy", None)
+        # Keras's own step fails over several workers (its logs' reduction):
+        # kvram's step, whose reduction works there, runs instead
+        if self._micro_batch_size is None and self._batch_controller is None and not (
+            _train_function.multi_worker(strategy)
+        ):
             if isinstance(self.train_function, _train_function.TrainFunction):
                 force = True
             return super().make_train_function(force=force)

@@ -115,13 +115,6 @@ def _free_ports(n):
     return ports
 
 
-@pytest.mark.xfail(
-    reason="Keras 3.15's fit() fails under a 2-worker MultiWorkerMirroredStrategy before any "
-    "kvram code runs (TFTrainer._maybe_symbolic_build: strategy.reduce of a PerReplica batch "
-    "raises 'Attempt to convert a value (PerReplica...)'); a plain keras.Model fails the same way",
-    raises=AssertionError,
-    strict=False,
-)
 def test_multi_worker_mirrored_two_processes_equal_one_device(tmp_path):
     """Two worker processes (one CPU each) under MultiWorkerMirroredStrategy train
     a checkpointed kvram.Model with micro-batching and clipping to the same
