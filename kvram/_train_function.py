@@ -62,6 +62,24 @@ def is_out_of_memory(error: BaseException) -> bool:
     return False
 
 
+def multi_worker(strategy) -> bool:
+    """Whether `strategy` is a MultiWorkerMirroredStrategy over several workers."""
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
+        strategy.extended._in_multi_worker_mode())
+
+
+def reduce_logs(logs, strategy):
+    """A step's logs averaged across replicas: Keras's `reduce_per_replica`,
+    except over several workers, where Keras reduces with axis=0 and fails on
+    scalars ("Invalid reduction dimension 0 for input with 0 dimensions";
+    its fit() under MultiWorkerMirroredStrategy: keras-team/keras#20585).
+    There each value is averaged elementwise (axis=None), as
+    `reduce_per_replica`'s "mean" does on one worker."""
+    if multi_worker(strategy):
+        return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), logs)
+    return reduce_per_replica(logs, strategy, reduction="auto")
+
+
 class TrainFunction:
     """`model.train_function` for micro-batching and OOM recovery."""
 
@@ -215,7 +233,7 @@ class TrainFunction:
 
         def step(data):
             logs = strategy.run(model.train_step, args=(data,))
-            return reduce_per_replica(logs, strategy, reduction="auto")
+            return reduce_logs(logs, strategy)
 
         if (
             model.jit_compile
@@ -264,7 +282,7 @@ class TrainFunction:
 
         def apply(result):
             logs = strategy.run(replica_apply, args=result)
-            return reduce_per_replica(logs, strategy, reduction="auto")
+            return reduce_logs(logs, strategy)
 
         return self._compiled("apply", apply, bool(model.jit_compile))
 

@@ -310,8 +310,36 @@ class Model(keras.Model):
             tf.data.experimental.prefetch_to_device(gpus[0].name, buffer_size=self.prefetch_to_gpu)
         )
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras's build before fit() under a strategy, from this worker's own
+        replica of the first batch. Keras reduces the batch across replicas
+        (`strategy.reduce("MEAN", ...)`, only for its shapes), which under
+        MultiWorkerMirroredStrategy fails in eager mode: "Attempt to convert a
+        value (PerReplica...)" (keras-team/keras#20585). The build needs only
+        shapes and dtypes, which any replica's part has."""
+        strategy = getattr(self, "_distribute_strategy", None)
+        if iterator is None or strategy is None or not isinstance(
+            strategy, tf.distribute.MultiWorkerMirroredStrategy
+        ):
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        for _, _, it in iterator:
+            batch = next(it)
+            data_batch = tree.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues) else v,
+                batch,
+            )
+            break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
     def make_train_function(self, force=False):
-        if self._micro_batch_size is None and self._batch_controller is None:
+        strategy = getattr(self, "_distribute_strategy", None)
+        # Keras's own step fails over several workers (its logs' reduction):
+        # kvram's step, whose reduction works there, runs instead
+        if self._micro_batch_size is None and self._batch_controller is None and not (
+            _train_function.multi_worker(strategy)
+        ):
             if isinstance(self.train_function, _train_function.TrainFunction):
                 force = True
             return super().make_train_function(force=force)
