@@ -28,15 +28,21 @@ def test_parse_bytes_says_what_is_allowed(text):
         plan.parse_bytes(text)
 
 
-def test_estimate_extrapolates_and_recommends_what_fits():
-    batch = 64
-    # the memory the full batch would need unmodified, measured directly
+def _direct(batch):
+    """The batch's plan measured directly, and the memory midway between its
+    plain and least peaks."""
     direct = remat.plan(
         small_model(),
         (np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32"), np.arange(batch) % 10),
         optimizer="adam",
     )
-    memory = (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
+    return direct, (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
+
+
+def test_estimate_extrapolates_and_recommends_what_fits():
+    batch = 64
+    # the memory the full batch would need unmodified, measured directly
+    direct, memory = _direct(batch)
     found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",), margin=0.0)
     rows = {(c.micro_batch_size, c.remat): c for c in found.configurations}
     assert set(rows) == {(None, "none"), (None, "fit"), (None, "least"), (32, "none"), (32, "least"),
@@ -49,7 +55,9 @@ def test_estimate_extrapolates_and_recommends_what_fits():
     # each slice beyond the first adds micro_batch_overhead (0.05) of a step
     assert rows[(32, "none")].relative_step_time == pytest.approx(1.05)
     assert rows[(16, "none")].relative_step_time == pytest.approx(1.15)
-    assert rows[(16, "least")].relative_step_time == pytest.approx(rows[(None, "least")].relative_step_time + 0.15)
+    # (each slice size has its own least-memory choice, and recomputed fraction)
+    least = rows[(16, "least")]
+    assert least.relative_step_time == pytest.approx(1 + least.plan.recompute_fraction + 0.15)
     # the fastest predicted that fits: two slices (1.05) before the whole
     # batch recomputing (1 + its recomputed FLOPs, above 5% here)
     assert rows[(None, "fit")].relative_step_time > 1.05
@@ -64,12 +72,7 @@ def test_estimate_extrapolates_and_recommends_what_fits():
 
 def test_a_dearer_slice_recommends_the_whole_batch_recomputing():
     batch = 64
-    direct = remat.plan(
-        small_model(),
-        (np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32"), np.arange(batch) % 10),
-        optimizer="adam",
-    )
-    memory = (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
+    _, memory = _direct(batch)
     found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",), margin=0.0,
                           micro_batch_sizes=[32], micro_batch_overhead=0.5)
     rows = {(c.micro_batch_size, c.remat): c for c in found.configurations}
