@@ -688,7 +688,7 @@ class ShardedDataset:
         names = list(self.fields) if fields is None else list(fields)
         if self._verifier is not None:
             self._start_verification(None)
-        first = int(np.searchsorted(self._starts, start, side="right") - 1)
+        first = self._shard_number(start)
         pieces = {n: [] for n in names}
         position = start
         shard_number = first
@@ -703,11 +703,15 @@ class ShardedDataset:
             shard_number += 1
         return {n: p[0] if len(p) == 1 else np.concatenate(p) for n, p in pieces.items()}
 
+    def _shard_number(self, sample: int) -> int:
+        """The number of the shard holding `sample`."""
+        return int(np.searchsorted(self._starts, sample, side="right") - 1)
+
     def _views(self, start: int, stop: int, names) -> list | None:
         """Samples [start, stop) as views of the memmaps, when they lie in one
         shard and every view is 64-byte aligned (else None): TF takes such
         views without a copy (`_BufferPool`)."""
-        shard = self._shards[int(np.searchsorted(self._starts, start, side="right") - 1)]
+        shard = self._shards[self._shard_number(start)]
         if stop > shard.start + shard.samples:
             return None
         arrays = shard.arrays()
@@ -720,7 +724,7 @@ class ShardedDataset:
         """Samples [start, stop) into rows at... of each array in `outs`
         ({field: array}), by `_Shard.read_into` (the GIL released while the
         bytes move)."""
-        shard_number = int(np.searchsorted(self._starts, start, side="right") - 1)
+        shard_number = self._shard_number(start)
         position = start
         while position < stop:
             shard = self._shards[shard_number]

@@ -293,7 +293,6 @@ def estimate(
                         predicted_by="executor", executor_peak_bytes=peak,
                     ))
                     configurations[-1]._planning = (model, chain, profile, resident, rows)
-                    configurations[-1]._overhead = micro_batch_overhead * (slices - 1)
         order = {}
         for c in configurations:
             order.setdefault(c.precision, len(order))
@@ -315,7 +314,6 @@ def estimate(
         keras.config.set_dtype_policy(previous)
     for c in configurations:
         c.__dict__.pop("_planning", None)
-        c.__dict__.pop("_overhead", None)
     log("done" + (f": recommended {recommended.precision}, micro-batch "
                   f"{recommended.micro_batch_size or '-'}, remat {recommended.remat}" if recommended else
                   ": nothing fits"))
@@ -424,8 +422,9 @@ def _checked_fit(c, checker, limit) -> bool:
     except ValueError:  # the least peak, checked, is above the limit too (or out of memory)
         c.predicted_by, c.fits = checker.name, False
         return False
+    # the new choice's recomputation in place of the old one's (the slices' cost stays)
+    c.relative_step_time += chosen.recompute_fraction - c.plan.recompute_fraction
     c.plan, c.predicted_peak_bytes = chosen, chosen.predicted_peak_bytes
-    c.relative_step_time = 1.0 + chosen.recompute_fraction + c._overhead
     c.predicted_by, c.fits = checker.name, chosen.predicted_peak_bytes <= limit
     return c.fits
 
