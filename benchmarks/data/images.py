@@ -125,15 +125,12 @@ def main():
     options = tf.data.Options()
     options.threading.private_threadpool_size = args.workers
 
-    def tf_epochs(make):
+    def tf_epoch(make):
         dataset = make().with_options(options)
-        seconds = []
-        for _ in range(1):
-            started, count = time.perf_counter(), 0
-            for batch in dataset:
-                count += int(batch[1].shape[0])
-            seconds.append(time.perf_counter() - started)
-        return count, seconds
+        started, count = time.perf_counter(), 0
+        for batch in dataset:
+            count += int(batch[1].shape[0])
+        return count, [time.perf_counter() - started]
 
     methods = {
         "kvram_jpeg": lambda: data.decode_jpeg(shards["jpeg"].to_tf_dataset(args.batch, shuffle=True)),
@@ -157,7 +154,7 @@ def main():
                 count, seconds = child["images"], child["seconds_each"]
                 result["torch"], result["torchvision"] = child["torch"], child["torchvision"]
             else:
-                count, seconds = tf_epochs(methods[name])
+                count, seconds = tf_epoch(methods[name])
             assert count == args.images, (name, count)
             runs[name] += seconds
             print(name, f"epoch {epoch + 1}: {count / seconds[-1]:.0f} img/s", flush=True)
