@@ -2,7 +2,9 @@
 cores, one run: kvram's shards (JPEG bytes decoded in tf.data, and decoded
 uint8), PyTorch's DataLoader over torchvision's ImageFolder, and
 keras.utils.image_dataset_from_directory. Every image is made here (numpy +
-Pillow), nothing is downloaded.
+Pillow, one random stream per image since session 25; data_images_cpu.json was
+made with one stream for the whole set: the same sizes and statistics), nothing
+is downloaded.
 
     python benchmarks/data/images.py --images 20000 --workers 2 \\
         --torch-python /tmp/torchenv/bin/python --out images_cpu.json
@@ -32,27 +34,37 @@ import numpy as np
 SHAPES = [(320, 240), (400, 300), (500, 375), (240, 320), (375, 500)]  # width, height
 
 
-def make_images(directory, count, classes=10):
+def _make_some(directory, numbers, classes):
     from PIL import Image
 
-    done = os.path.join(directory, ".complete")
-    if os.path.exists(done) and open(done).read() == str(count):
-        return
-    rng = np.random.default_rng(0)
-    started = time.perf_counter()
-    for i in range(count):
-        label = i % classes
+    for i in numbers:
+        rng = np.random.default_rng([0, i])  # one stream per image: the same set whatever the workers
         width, height = SHAPES[i % len(SHAPES)]
-        folder = os.path.join(directory, f"class_{label:02d}")
+        folder = os.path.join(directory, f"class_{i % classes:02d}")
         os.makedirs(folder, exist_ok=True)
         y, x = np.mgrid[0:height, 0:width]
         base = rng.integers(0, 160, 3)
         pixels = base + 0.2 * x[..., None] + 0.15 * y[..., None] + rng.normal(0, 12, (height, width, 3))
         Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(
             os.path.join(folder, f"{i:06d}.jpg"), quality=90)
+
+
+def make_images(directory, count, classes=10, workers=None):
+    """`count` JPEGs of 5 sizes (320x240 to 500x375) in `classes` sub-folders,
+    made in `workers` processes (default: every core)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    done = os.path.join(directory, ".complete")
+    if os.path.exists(done) and open(done).read() == str(count):
+        return
+    started = time.perf_counter()
+    workers = workers or len(os.sched_getaffinity(0))
+    with ProcessPoolExecutor(workers) as pool:
+        list(pool.map(_make_some, [directory] * workers,
+                      [range(w, count, workers) for w in range(workers)], [classes] * workers))
     with open(done, "w") as f:
         f.write(str(count))
-    print(f"made {count} JPEGs in {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"made {count} JPEGs in {time.perf_counter() - started:.0f} s ({workers} processes)", flush=True)
 
 
 def torch_epoch(args):

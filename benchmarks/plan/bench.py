@@ -88,12 +88,16 @@ def child(args) -> dict:
         save(plain_float32=timed(f32, kvram=False)["plain"])
     if args.try_all:
         tried = []
+        wanted = None if not args.rows else {
+            (None if micro == "none" else int(micro), remat)
+            for micro, remat in (row.split(":") for row in args.rows.split(","))}
         # the configurations predicted to fit first, the fastest predicted first:
         # those predicted not to fit are tried too (they may run out of
         # memory), while time is left
         others = sorted((c for c in found.configurations
                          if c.precision == found.recommended.precision and c is not found.recommended
-                         and (c.micro_batch_size, c.remat) not in measured_before),
+                         and (c.micro_batch_size, c.remat) not in measured_before
+                         and (wanted is None or (c.micro_batch_size, c.remat) in wanted)),
                         key=lambda c: (not c.fits, c.relative_step_time))
         for c in others:
             entry = {"micro_batch_size": c.micro_batch_size, "remat": c.remat,
@@ -164,6 +168,8 @@ def main() -> None:
     parser.add_argument("--estimate-only", action="store_true", help="save the estimate, measure nothing")
     parser.add_argument("--skip-measured", action="store_true",
                         help="with --estimate-from: do not try again the rows its 'tried' measured")
+    parser.add_argument("--rows", default=None,
+                        help="with --try-all: only these rows, as MICRO:REMAT pairs, e.g. 128:least,none:least")
     parser.add_argument("--no-plain", action="store_true", help="do not train plain Keras beside the recommendation")
     parser.add_argument("--budget-seconds", type=int, default=420, help="stop trying configurations after this")
     parser.add_argument("--timeout", type=int, default=1800)
@@ -187,6 +193,7 @@ def main() -> None:
             command += ["--try-all"] * args.try_all + ["--seed-baseline"] * args.seed_baseline
             command += ["--estimate-only"] * args.estimate_only + ["--no-plain"] * args.no_plain
             command += ["--skip-measured"] * args.skip_measured
+            command += ["--rows", args.rows] if args.rows else []
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
                 lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
