@@ -24,7 +24,7 @@ case "$1" in
   estimates)
     autotune /tmp/xla_autotune_estimates
     for cap in 16 48; do
-      timeout "${2:-520}" python3 $bench --child --model EfficientNetV2S --cap ${cap}GiB --batch-size 256 \
+      timeout -k 10 "${2:-520}" python3 $bench --child --model EfficientNetV2S --cap ${cap}GiB --batch-size 256 \
         --precision mixed_bfloat16 --estimate-only --out /tmp/plan/plan_efficientnetv2s_${cap}.json \
         > /tmp/plan/estimate_efficientnetv2s_${cap}.log 2>&1 &
     done
@@ -35,7 +35,7 @@ case "$1" in
     model=$2 cap=$3 from=$4 seconds=$5
     shift 5
     name=$(basename "$from" .json)
-    timeout "${TIMEOUT:-575}" python3 $bench --child --model "$model" --cap "$cap" --batch-size 256 --precision mixed_bfloat16 \
+    timeout -k 10 "${TIMEOUT:-575}" python3 $bench --child --model "$model" --cap "$cap" --batch-size 256 --precision mixed_bfloat16 \
       --steps 10 --try-all --estimate-from "$from" --budget-seconds "$seconds" --out "/tmp/plan/${name}_tryall.json" \
       "$@" 2>&1 | grep -v "UserWarning\|data_adapter" | tee "/tmp/plan/${name}_tryall.log"
     ;;
@@ -44,7 +44,7 @@ case "$1" in
     model=$2 cap=$3 seconds=$4
     shift 4
     name=plan_$(echo "$model" | tr 'A-Z' 'a-z')_${cap%GiB}
-    timeout "${TIMEOUT:-585}" python3 $bench --child --model "$model" --cap "$cap" --batch-size 256 --precision mixed_bfloat16 \
+    timeout -k 10 "${TIMEOUT:-585}" python3 $bench --child --model "$model" --cap "$cap" --batch-size 256 --precision mixed_bfloat16 \
       --steps 10 --try-all --budget-seconds "$seconds" --out "/tmp/plan/${name}.json" \
       "$@" 2>&1 | grep -v "UserWarning\|data_adapter" | tee "/tmp/plan/${name}.log"
     ;;
