@@ -80,6 +80,34 @@ def reduce_logs(logs, strategy):
     return reduce_per_replica(logs, strategy, reduction="auto")
 
 
+def multi_worker_test_function(model):
+    """`model.test_function` over several workers: Keras's, with `reduce_logs`
+    in place of its `reduce_per_replica`, which fails there the same way in
+    evaluate() and in fit()'s validation (keras-team/keras#20585)."""
+    strategy = model.distribute_strategy
+
+    def one_step(data):
+        data = tree.map_structure(lambda t: None if isinstance(t, tf.experimental.Optional) else t, data)
+        return reduce_logs(strategy.run(model.test_step, args=(data,)), strategy)
+
+    if not model.run_eagerly:
+        one_step = tf.function(one_step, reduce_retracing=True, jit_compile=model.jit_compile)
+
+    def function(iterator):
+        logs = None
+        for _ in range(max(1, int(model.steps_per_execution))):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if logs is None:
+                    raise StopIteration from None
+                break
+            logs = one_step(data)
+        return logs
+
+    return function
+
+
 class TrainFunction:
     """`model.train_function` for micro-batching and OOM recovery."""
 

@@ -357,6 +357,14 @@ class Model(keras.Model):
         self.train_function = _train_function.TrainFunction(self)
         return self.train_function
 
+    def make_test_function(self, force=False):
+        # Keras's test step fails over several workers like its train step
+        if not _train_function.multi_worker(getattr(self, "_distribute_strategy", None)):
+            return super().make_test_function(force=force)
+        if self.test_function is None or force:
+            self.test_function = _train_function.multi_worker_test_function(self)
+        return self.test_function
+
     def train_step(self, data):
         # Keras's TensorFlowTrainer.train_step, with the gradient handling below.
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)

@@ -97,9 +97,11 @@ dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).with_options(opti
 with strategy.scope():
     model = make(**json.loads(sys.argv[5]))
     model.get_layer(index=1).layer.layers[1].rate = 0.0
-model.fit(dataset, epochs=2, verbose=0)
+history = model.fit(dataset, epochs=2, verbose=0, validation_data=dataset)
 np.savez(sys.argv[3], *[v.numpy() for v in model.weights],
-         replicas=strategy.num_replicas_in_sync, skipped=model.skipped_steps)
+         replicas=strategy.num_replicas_in_sync, skipped=model.skipped_steps,
+         val_loss=history.history["val_loss"], evaluated=model.evaluate(dataset, verbose=0),
+         predicted=model.predict(dataset, verbose=0))
 '''
 
 
@@ -121,8 +123,9 @@ def _free_ports(n):
 def test_multi_worker_mirrored_two_processes_equal_one_device(tmp_path, kwargs):
     """Two worker processes (one CPU each) under MultiWorkerMirroredStrategy train
     a checkpointed kvram.Model (with micro-batching and clipping, and without)
-    to the same weights as one device on the same global batch: Keras 3's
-    fit() alone fails there (keras-team/keras#20585)."""
+    to the same weights as one device on the same global batch, with the same
+    validation losses, evaluate() loss and predictions: Keras 3's fit() and
+    evaluate() alone fail there (keras-team/keras#20585)."""
     import json
     import os
     import subprocess
@@ -145,10 +148,17 @@ def test_multi_worker_mirrored_two_processes_equal_one_device(tmp_path, kwargs):
     x, y = data()
     one = make(**kwargs)
     one.get_layer(index=1).layer.layers[1].rate = 0.0
-    one.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    history = one.fit(dataset, epochs=2, verbose=0, validation_data=dataset)
     expected = [v.numpy() for v in one.weights]
+    evaluated = one.evaluate(dataset, verbose=0)
+    # rows in a canonical order: each worker's share of a batch comes back in its own order
+    predicted = np.sort(one.predict(dataset, verbose=0), axis=0)
     for i in range(2):
         saved = np.load(tmp_path / f"w{i}.npz")
         assert int(saved["replicas"]) == 2 and int(saved["skipped"]) == 0
         got = [saved[f"arr_{j}"] for j in range(len(expected))]
         assert max_rel_diff(expected, got) < TOL
+        np.testing.assert_allclose(saved["val_loss"], history.history["val_loss"], rtol=TOL)
+        np.testing.assert_allclose(float(saved["evaluated"]), evaluated, rtol=TOL)
+        np.testing.assert_allclose(np.sort(saved["predicted"], axis=0), predicted, rtol=1e-4, atol=1e-6)
