@@ -1,4 +1,5 @@
-"""The `kvram` command line: `kvram info`, `kvram demo`, `kvram plan`, `kvram shards write|inspect`."""
+"""The `kvram` command line: `kvram info`, `kvram demo`, `kvram plan`, `kvram shards write|inspect`,
+`kvram launch`."""
 
 from __future__ import annotations
 
@@ -213,6 +214,31 @@ def _plan(args) -> int:
     return 0 if found.recommended is not None else 1
 
 
+def _launch(args) -> int:
+    from kvram import launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("kvram launch: no command to run. Example: kvram launch --workers 2 -- python train.py",
+              file=sys.stderr)
+        return 2
+    try:
+        return launch.launch(command, args.workers, gpus=args.gpus, max_restarts=args.max_restarts,
+                             grace_seconds=args.grace_seconds)
+    except ValueError as error:
+        print(f"kvram launch: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -282,6 +308,18 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--verify", action="store_true", help="check every file's SHA-256")
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=_shards_inspect)
+    launcher = sub.add_parser(
+        "launch", help="-- COMMAND...: N local MultiWorkerMirroredStrategy workers (TF_CONFIG, one GPU each)")
+    launcher.add_argument("--workers", type=_positive, required=True)
+    launcher.add_argument("--gpus", default="auto",
+                          help="auto (one GPU per worker if GPUs are visible), none (CPU), or ids: 0,1")
+    launcher.add_argument("--max-restarts", type=_non_negative, default=0,
+                          help="start every worker again this many times after a failure "
+                               "(with keras.callbacks.BackupAndRestore the job resumes)")
+    launcher.add_argument("--grace-seconds", type=float, default=10.0,
+                          help="after a failure, SIGTERM the others and SIGKILL after this")
+    launcher.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
+    launcher.set_defaults(func=_launch)
     return parser
 
 
