@@ -162,3 +162,75 @@ def test_multi_worker_mirrored_two_processes_equal_one_device(tmp_path, kwargs):
         np.testing.assert_allclose(saved["val_loss"], history.history["val_loss"], rtol=TOL)
         np.testing.assert_allclose(float(saved["evaluated"]), evaluated, rtol=TOL)
         np.testing.assert_allclose(np.sort(saved["predicted"], axis=0), predicted, rtol=1e-4, atol=1e-6)
+
+
+RESUMING_WORKER = r'''
+import json, os, signal, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+sys.path.insert(0, sys.argv[2])
+import numpy as np, tensorflow as tf, keras
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]  # set by kvram launch
+attempt = int(os.environ["KVRAM_LAUNCH_ATTEMPT"])
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+from tests.test_distribute import make, data
+x, y = data()
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).with_options(options)
+with strategy.scope():
+    model = make(**json.loads(sys.argv[3]))
+    model.get_layer(index=1).layer.layers[1].rate = 0.0
+
+
+class Die(keras.callbacks.Callback):
+    # worker 1 is killed in its first attempt after the third epoch's first step: both
+    # workers have finished their backups of epoch 2 by then (that step needed both)
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if attempt == 0 and index == 1 and self.epoch == 2 and batch == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+# one backup folder per worker: Keras's callback knows nothing of workers, and two
+# writers of one .h5 file would corrupt it; every worker holds the same weights
+backup = keras.callbacks.BackupAndRestore(os.path.join(sys.argv[1], f"backup{index}"))
+history = model.fit(dataset, epochs=4, verbose=0, callbacks=[backup, Die()])
+np.savez(os.path.join(sys.argv[1], f"w{index}.npz"), *[v.numpy() for v in model.weights],
+         epochs_run=len(history.history["loss"]), iterations=int(model.optimizer.iterations.numpy()))
+'''
+
+
+@pytest.mark.parametrize("kwargs", [{"micro_batch_size": 3}], ids=["micro_batches"])
+def test_multi_worker_killed_worker_resumes_to_the_same_weights(tmp_path, kwargs):
+    """kvram launch restarts both workers after one is SIGKILLed in the third of
+    four epochs; keras.callbacks.BackupAndRestore resumes them from the second
+    epoch's backup, and they end with the weights of an uninterrupted run on
+    one device (1e-5), having run the last two epochs again."""
+    import io
+    import json
+    import os
+    import sys
+
+    from kvram import launch
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "worker.py"
+    script.write_text(RESUMING_WORKER)
+    out = io.StringIO()
+    code = launch.launch([sys.executable, str(script), str(tmp_path), root, json.dumps(kwargs)], 2,
+                         gpus="none", max_restarts=1, grace_seconds=5, out=out)
+    assert code == 0, out.getvalue()[-12000:]
+    assert "[kvram launch] worker 1 was killed by SIGKILL: stopping the others" in out.getvalue()
+    x, y = data()
+    one = make(**kwargs)
+    one.get_layer(index=1).layer.layers[1].rate = 0.0
+    one.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=4, verbose=0)
+    expected = [v.numpy() for v in one.weights]
+    for i in range(2):
+        saved = np.load(tmp_path / f"w{i}.npz")
+        assert int(saved["epochs_run"]) == 2  # resumed at the third epoch
+        assert int(saved["iterations"]) == int(one.optimizer.iterations.numpy())
+        got = [saved[f"arr_{j}"] for j in range(len(expected))]
+        assert max_rel_diff(expected, got) < TOL
