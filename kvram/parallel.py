@@ -70,7 +70,9 @@ class PipelineModel(Model):
     """A `kvram.Model` whose stages run on different devices, pipelined.
 
     Args:
-        stages: list of Keras layers/models, applied in order.
+        stages: list of Keras layers/models, applied in order. Stages already
+            built elsewhere (called, trained, loaded) have their variables
+            moved to their device, values kept (the same Keras variables).
         devices: one device name per stage ("GPU:0", "GPU:1", or logical CPUs).
         micro_batches: int >= 1, slices per batch (a batch of n rows is cut into
             slices of n // m or n // m + 1 rows; it needs n >= m).
@@ -134,15 +136,7 @@ class PipelineModel(Model):
             with tf.device(device):
                 if not stage.built:
                     stage.build(shape)
-            wanted = tf.DeviceSpec.from_string(device)
-            for variable in stage.weights:
-                placed = tf.DeviceSpec.from_string(_variable_device(variable) or "/device:CPU:0")
-                if (placed.device_type, placed.device_index) != (wanted.device_type, wanted.device_index):
-                    raise ValueError(
-                        f"Stage {k} ({stage.name}) was built before PipelineModel placed it: "
-                        f"its variable {variable.path} lives on {_variable_device(variable)!r}, "
-                        f"not {device!r}. Pass stages that have not been called or built."
-                    )
+            _move_to(stage, k, device)
             shape = stage.compute_output_shape(shape)
         self.built = True
 
@@ -286,6 +280,36 @@ class PipelineModel(Model):
                 stages.append(keras.saving.deserialize_keras_object(stage))
         config["stages"] = stages
         return cls(**config)
+
+
+def _on(variable, device: str) -> bool:
+    placed = tf.DeviceSpec.from_string(_variable_device(variable) or "/device:CPU:0")
+    wanted = tf.DeviceSpec.from_string(device)
+    return (placed.device_type, placed.device_index) == (wanted.device_type, wanted.device_index)
+
+
+def _move_to(stage, k: int, device: str) -> None:
+    """Moves the variables of a stage built elsewhere (called, trained or
+    loaded before PipelineModel placed it) onto its device, with their values:
+    each Keras variable keeps its identity and gets a new `tf.Variable` made
+    there (Keras's own `_initialize`). Functions traced before still hold the
+    old ones. Refused where that cannot be done: a variable of a
+    `tf.distribute` strategy, or one that is not a Keras TensorFlow variable."""
+    misplaced = [v for v in stage.variables if not _on(v, device)]
+    for variable in misplaced:
+        value = getattr(variable, "_value", None)
+        if isinstance(value, tf.distribute.DistributedValues) or not (
+            isinstance(value, tf.Variable) and hasattr(variable, "_initialize")
+        ):
+            raise ValueError(
+                f"Stage {k} ({stage.name}) was built before PipelineModel placed it, and its variable "
+                f"{variable.path} on {_variable_device(variable)!r} cannot be moved to {device!r} "
+                f"({type(value).__name__}: a tf.distribute or non-Keras variable). Pass stages that "
+                "have not been called or built, or built outside any tf.distribute strategy."
+            )
+    with tf.init_scope(), tf.device(device):
+        for variable in misplaced:
+            variable._initialize(tf.identity(variable.value))
 
 
 def _input_shape(x):

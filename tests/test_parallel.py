@@ -204,9 +204,40 @@ def test_balance_by_memory_and_time():
         balance(stack, ["CPU:0"] * 7, sample_batch=sample)
 
 
-def test_stages_built_elsewhere_are_refused():
-    stage = keras.layers.Dense(4)
-    stage.build((None, 3))  # variables on the default device, CPU:0
+def test_stages_built_elsewhere_are_moved_with_their_weights():
+    """torchgpipe's convenience: stages built (here trained) on the default device
+    are moved to their own; the same Keras variables, the same values, and
+    training then equals the single-device model's."""
+    x, y = data()
+    single = keras.Sequential([keras.Input((8,))] + layers())
+    single.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    single.fit(x, y, batch_size=16, epochs=1, verbose=0)  # trained: built on CPU:0, not at its start
+    parts = layers()
+    stages = [keras.Sequential(parts[:2]), keras.Sequential(parts[2:])]
+    stages[1](stages[0](x))  # built on the default device, CPU:0
+    for a, b in zip(single.weights, stages[0].weights + stages[1].weights):
+        b.assign(a)
+    kept = [(v, v.numpy()) for v in stages[1].weights]
+    assert all(v.value.device.endswith("CPU:0") for v, _ in kept)
+    model = PipelineModel(stages, ["CPU:0", "CPU:1"], micro_batches=4)
+    model.build((None, 8))
+    for variable, value in kept:
+        assert variable.value.device.endswith("CPU:1"), variable.path
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert [id(v) for v in model.stages[1].weights] == [id(v) for v, _ in kept]
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    single.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")  # a fresh optimizer, as model's
+    single.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    assert max_rel_diff([v.numpy() for v in single.weights], [v.numpy() for v in model.weights]) < TOL
+    assert all(v.value.device.endswith("CPU:1") for v in model.stages[1].weights)
+
+
+def test_stages_of_a_strategy_cannot_be_moved(mirrored):
+    with mirrored.scope():
+        stage = keras.layers.Dense(4)
+        stage.build((None, 3))  # mirrored variables on both CPUs
     model = PipelineModel([keras.layers.Dense(3), stage], ["CPU:0", "CPU:1"], micro_batches=2)
-    with pytest.raises(ValueError, match="Stage 1 .* was built before PipelineModel placed it"):
+    with pytest.raises(ValueError, match=r"Stage 1 .* was built before PipelineModel placed it, and its "
+                                         r"variable .* cannot be moved to .*CPU:1"):
         model.build((None, 5))
