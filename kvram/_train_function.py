@@ -87,25 +87,31 @@ def multi_worker_test_function(model):
     strategy = model.distribute_strategy
 
     def one_step(data):
-        data = tree.map_structure(lambda t: None if isinstance(t, tf.experimental.Optional) else t, data)
-        return reduce_logs(strategy.run(model.test_step, args=(data,)), strategy)
+        return reduce_logs(strategy.run(model.test_step, args=(_no_optionals(data),)), strategy)
 
     if not model.run_eagerly:
         one_step = tf.function(one_step, reduce_retracing=True, jit_compile=model.jit_compile)
+    return lambda iterator: run_steps(model, iterator, one_step)
 
-    def function(iterator):
-        logs = None
-        for _ in range(max(1, int(model.steps_per_execution))):
-            try:
-                data = next(iterator)
-            except (StopIteration, tf.errors.OutOfRangeError):
-                if logs is None:
-                    raise StopIteration from None
-                break
-            logs = one_step(data)
-        return logs
 
-    return function
+def run_steps(model, iterator, step):
+    """What Keras calls once per `steps_per_execution` batches: `step` on each
+    of the next batches; StopIteration when the iterator had none."""
+    logs = None
+    for _ in range(max(1, int(model.steps_per_execution))):
+        try:
+            data = next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if logs is None:
+                raise StopIteration from None
+            break
+        logs = step(data)
+    return logs
+
+
+def _no_optionals(data):
+    """Keras's data adapters give absent parts as empty tf.experimental.Optional."""
+    return tree.map_structure(lambda t: None if isinstance(t, tf.experimental.Optional) else t, data)
 
 
 class TrainFunction:
@@ -139,23 +145,12 @@ class TrainFunction:
 
     # Keras calls this with an iterator once per `steps_per_execution` batches.
     def __call__(self, iterator):
-        logs = None
-        for _ in range(max(1, int(self.model.steps_per_execution))):
-            try:
-                data = next(iterator)
-            except (StopIteration, tf.errors.OutOfRangeError):
-                if logs is None:
-                    raise StopIteration from None
-                break
-            logs = self.step(data)
-        return logs
+        return run_steps(self.model, iterator, self.step)
 
     def step(self, data):
         """One training step on `data`, run again at a smaller micro-batch after an OOM."""
         model = self.model
-        data = tree.map_structure(
-            lambda t: None if isinstance(t, tf.experimental.Optional) else t, data
-        )
+        data = _no_optionals(data)
         self.build(data)
         controller = model._batch_controller
         if controller is None:

@@ -78,16 +78,15 @@ def test_accumulation_under_mirrored_strategy_is_refused_with_the_alternative(mi
             make(accumulation_steps=2)
 
 
-WORKER = r'''
-import json, os, sys
-os.environ["TF_CONFIG"] = json.dumps({
-    "cluster": {"worker": [f"localhost:{p}" for p in sys.argv[2].split(",")]},
-    "task": {"type": "worker", "index": int(sys.argv[1])},
-})
+# Started by kvram launch (TF_CONFIG, KVRAM_LAUNCH_ATTEMPT): argv = out folder, repository, kvram.Model kwargs
+SETUP = r'''
+import json, os, signal, sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-sys.path.insert(0, sys.argv[4])
+sys.path.insert(0, sys.argv[2])
 import numpy as np, tensorflow as tf, keras
 keras.config.disable_traceback_filtering()
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+attempt = int(os.environ["KVRAM_LAUNCH_ATTEMPT"])
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 from tests.test_distribute import make, data
 x, y = data()
@@ -95,56 +94,49 @@ options = tf.data.Options()
 options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
 dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).with_options(options)
 with strategy.scope():
-    model = make(**json.loads(sys.argv[5]))
+    model = make(**json.loads(sys.argv[3]))
     model.get_layer(index=1).layer.layers[1].rate = 0.0
+'''
+
+WORKER = SETUP + r'''
 history = model.fit(dataset, epochs=2, verbose=0, validation_data=dataset)
-np.savez(sys.argv[3], *[v.numpy() for v in model.weights],
+np.savez(os.path.join(sys.argv[1], f"w{index}.npz"), *[v.numpy() for v in model.weights],
          replicas=strategy.num_replicas_in_sync, skipped=model.skipped_steps,
          val_loss=history.history["val_loss"], evaluated=model.evaluate(dataset, verbose=0),
          predicted=model.predict(dataset, verbose=0))
 '''
 
 
-def _free_ports(n):
-    import socket
+def launch_workers(tmp_path, script, kwargs, **options):
+    """Two workers of `script` on the CPU through kvram launch; asserts they succeeded."""
+    import io
+    import json
+    import os
+    import sys
 
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    from kvram import launch
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "worker.py"
+    path.write_text(script)
+    out = io.StringIO()
+    code = launch.launch([sys.executable, str(path), str(tmp_path), root, json.dumps(kwargs)], 2,
+                         gpus="none", out=out, **options)
+    assert code == 0, out.getvalue()[-12000:]
+    return out.getvalue()
 
 
 @pytest.mark.parametrize(
     "kwargs", [{"micro_batch_size": 3, "clip_global_norm": 0.5}, {}], ids=["micro_batches_clipped", "plain"]
 )
 def test_multi_worker_mirrored_two_processes_equal_one_device(tmp_path, kwargs):
-    """Two worker processes (one CPU each) under MultiWorkerMirroredStrategy train
-    a checkpointed kvram.Model (with micro-batching and clipping, and without)
-    to the same weights as one device on the same global batch, with the same
-    validation losses, evaluate() loss and predictions: Keras 3's fit() and
-    evaluate() alone fail there (keras-team/keras#20585)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ports = ",".join(map(str, _free_ports(2)))
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    workers = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(i), ports, str(tmp_path / f"w{i}.npz"), root, json.dumps(kwargs)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for i in range(2)
-    ]
-    for worker in workers:
-        _, err = worker.communicate(timeout=300)
-        assert worker.returncode == 0, err[-12000:]
+    """Two worker processes (one CPU each, started by kvram launch) under
+    MultiWorkerMirroredStrategy train a checkpointed kvram.Model (with
+    micro-batching and clipping, and without) to the same weights as one device
+    on the same global batch, with the same validation losses, evaluate() loss
+    and predictions: Keras 3's fit() and evaluate() alone fail there
+    (keras-team/keras#20585)."""
+    launch_workers(tmp_path, WORKER, kwargs)
     x, y = data()
     one = make(**kwargs)
     one.get_layer(index=1).layer.layers[1].rate = 0.0
@@ -164,23 +156,7 @@ def test_multi_worker_mirrored_two_processes_equal_one_device(tmp_path, kwargs):
         np.testing.assert_allclose(np.sort(saved["predicted"], axis=0), predicted, rtol=1e-4, atol=1e-6)
 
 
-RESUMING_WORKER = r'''
-import json, os, signal, sys
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-sys.path.insert(0, sys.argv[2])
-import numpy as np, tensorflow as tf, keras
-index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]  # set by kvram launch
-attempt = int(os.environ["KVRAM_LAUNCH_ATTEMPT"])
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-from tests.test_distribute import make, data
-x, y = data()
-options = tf.data.Options()
-options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).with_options(options)
-with strategy.scope():
-    model = make(**json.loads(sys.argv[3]))
-    model.get_layer(index=1).layer.layers[1].rate = 0.0
-
+RESUMING_WORKER = SETUP + r'''
 
 class Die(keras.callbacks.Callback):
     # worker 1 is killed in its first attempt after the third epoch's first step: both
@@ -208,21 +184,8 @@ def test_multi_worker_killed_worker_resumes_to_the_same_weights(tmp_path, kwargs
     four epochs; keras.callbacks.BackupAndRestore resumes them from the second
     epoch's backup, and they end with the weights of an uninterrupted run on
     one device (1e-5), having run the last two epochs again."""
-    import io
-    import json
-    import os
-    import sys
-
-    from kvram import launch
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = tmp_path / "worker.py"
-    script.write_text(RESUMING_WORKER)
-    out = io.StringIO()
-    code = launch.launch([sys.executable, str(script), str(tmp_path), root, json.dumps(kwargs)], 2,
-                         gpus="none", max_restarts=1, grace_seconds=5, out=out)
-    assert code == 0, out.getvalue()[-12000:]
-    assert "[kvram launch] worker 1 was killed by SIGKILL: stopping the others" in out.getvalue()
+    out = launch_workers(tmp_path, RESUMING_WORKER, kwargs, max_restarts=1, grace_seconds=5)
+    assert "[kvram launch] worker 1 was killed by SIGKILL: stopping the others" in out
     x, y = data()
     one = make(**kwargs)
     one.get_layer(index=1).layer.layers[1].rate = 0.0
