@@ -92,11 +92,16 @@ def _environments(workers: int, gpus: list) -> list:
     return environments
 
 
+def _say(out, lock, text: str) -> None:
+    """One whole piece of output, never interleaved with another thread's."""
+    with lock:
+        out.write(text)
+        out.flush()
+
+
 def _relay(index: int, stream, out, lock) -> None:
     for line in iter(stream.readline, ""):
-        with lock:
-            out.write(f"[worker {index}] {line}")
-            out.flush()
+        _say(out, lock, f"[worker {index}] {line}")
     stream.close()
 
 
@@ -144,9 +149,7 @@ def _attempt(command, environments, attempt: int, grace_seconds: float, out, loc
             codes = [p.poll() for p in processes]
             failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None:
-                with lock:
-                    out.write(f"[kvram launch] worker {failed} {_describe(codes[failed])}: stopping the others\n")
-                    out.flush()
+                _say(out, lock, f"[kvram launch] worker {failed} {_describe(codes[failed])}: stopping the others\n")
                 _stop(processes, grace_seconds)
                 code = codes[failed]
                 return (128 - code if code < 0 else code), failed
@@ -206,15 +209,11 @@ def launch(command, workers: int, gpus="auto", max_restarts: int = 0, grace_seco
     else:
         where = ", ".join(f"worker {i}: GPU {g}" for i, g in enumerate(assigned))
     for attempt in range(max_restarts + 1):
-        with lock:
-            out.write(f"[kvram launch] {workers} worker(s), attempt {attempt + 1} of {max_restarts + 1} "
-                      f"({where}): {' '.join(command)}\n")
-            out.flush()
+        _say(out, lock, f"[kvram launch] {workers} worker(s), attempt {attempt + 1} of {max_restarts + 1} "
+                        f"({where}): {' '.join(command)}\n")
         code, failed = _attempt(command, _environments(workers, assigned), attempt, grace_seconds, out, lock)
         if code == 0:
             return 0
         if attempt < max_restarts:
-            with lock:
-                out.write(f"[kvram launch] restarting every worker (worker {failed} failed)\n")
-                out.flush()
+            _say(out, lock, f"[kvram launch] restarting every worker (worker {failed} failed)\n")
     return code

@@ -25,36 +25,32 @@ import os
 import sys
 import time
 
-import numpy as np
+import keras
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
 
-class EpochTimer:
+class EpochTimer(keras.callbacks.Callback):
     """Times one epoch of fit(): whole, and from the end of batch `skip`."""
 
     def __init__(self, skip):
-        import keras
+        super().__init__()
+        self.skip = skip
 
-        timer = self
+    def on_epoch_begin(self, epoch, logs=None):
+        self.begin = time.perf_counter()
 
-        class Callback(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                timer.begin = time.perf_counter()
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches = batch + 1
+        if batch + 1 == self.skip:
+            float(logs["loss"])  # waits for the GPU
+            self.after_skip = time.perf_counter()
 
-            def on_train_batch_end(self, batch, logs=None):
-                timer.batches = batch + 1
-                if batch + 1 == skip:
-                    float(logs["loss"])  # waits for the GPU
-                    timer.after_skip = time.perf_counter()
-
-            def on_epoch_end(self, epoch, logs=None):
-                float(logs["loss"])
-                timer.end = time.perf_counter()
-
-        self.callback = Callback()
+    def on_epoch_end(self, epoch, logs=None):
+        float(logs["loss"])
+        self.end = time.perf_counter()
 
 
 def main():
@@ -71,7 +67,6 @@ def main():
     args = parser.parse_args()
 
     import images  # benchmarks/data/images.py
-    import keras
     import tensorflow as tf
 
     from kvram import data
@@ -136,7 +131,7 @@ def main():
     for round_number in range(args.rounds):
         row = {}
         for name, make in methods.items():
-            history = model.fit(make(), epochs=1, verbose=0, callbacks=[timer.callback])
+            history = model.fit(make(), epochs=1, verbose=0, callbacks=[timer])
             assert timer.batches == steps, (name, timer.batches, steps)
             row[name] = {
                 "steady_images_per_second": (steps - args.skip) * args.batch / (timer.end - timer.after_skip),
