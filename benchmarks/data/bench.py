@@ -11,6 +11,8 @@ evicted from the page cache (`posix_fadvise(DONTNEED)`), so each reads from disk
   with its checksum check on first read (the default, on a fresh dataset in a
   process that has checked nothing: a first epoch) and `_unverified`
   (`verify_on_read=False`); `verify_cost` is 1 - checked / unchecked bandwidth;
+- tf_data_floor: a tf.data pipeline that reads nothing (one tensor repeated), through
+  the same consumer: the most any tf.data reader can reach here;
 - from_generator: a generator yielding the same memmap slices;
 - from_tensor_slices: the arrays loaded into memory first (time reported apart),
   then `from_tensor_slices(...).batch(...)`, what Keras does with a memmap.
@@ -115,6 +117,14 @@ def io(args):
         for item in dataset:
             consume(item)
 
+    def tf_data_floor():
+        """What any tf.data reader costs at the least in this harness: a dataset that reads
+        nothing (one batch-sized tensor, 64-byte aligned, repeated) iterated by the same
+        consumer loop. Its source stays in the CPU's cache, so this is an upper bound."""
+        block = tf.constant(np.ones((batch,) + width, np.float32))
+        for item in tf.data.Dataset.from_tensors(block).repeat(-(-rows // batch)):
+            consume(item)
+
     loaded = {}
 
     def from_tensor_slices():
@@ -138,6 +148,7 @@ def io(args):
         "kvram_shuffled_unverified_autotune": kvram_pipeline(True, verify=False, reads=-1),
         "kvram_unverified_memmap": kvram_pipeline(False, verify=False, read="memmap"),
         "kvram_unverified_memmap_autotune": kvram_pipeline(False, verify=False, reads=-1, read="memmap"),
+        "tf_data_floor": tf_data_floor,
         "from_generator": from_generator,
         "from_tensor_slices": from_tensor_slices,
     }
