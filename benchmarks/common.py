@@ -63,14 +63,21 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     spe = int(model.steps_per_execution or 1)
     steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
     model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0, callbacks=[Clock()])
+    def peak_gib(device):
+        try:
+            return tf.config.experimental.get_memory_info(device)["peak"] / 2**30
+        except ValueError:  # logical CPUs (a smoke run) keep no allocator statistics
+            return None
+
     for device in devices:
-        tf.config.experimental.reset_memory_stats(device)
+        if peak_gib(device) is not None:
+            tf.config.experimental.reset_memory_stats(device)
     model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
     return {
         "steps": steps,
         "seconds": times["end"] - times["start"],
         "loss": times["loss"],
-        "peak_gib": {d: tf.config.experimental.get_memory_info(d)["peak"] / 2**30 for d in devices},
+        "peak_gib": {d: peak_gib(d) for d in devices},
     }
 
 

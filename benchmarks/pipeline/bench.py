@@ -50,6 +50,9 @@ def main():
     parser.add_argument("--checkpoint", action="store_true", help="Checkpoint each stage")
     parser.add_argument("--skip-single", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="two logical CPUs (smoke test)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timing, profile STEPS steps of each M and sort the GPU "
+                             "kernels by phase (forward, backward, gradient sums, loss, optimizer)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--single-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -174,9 +177,77 @@ def main():
     }
     print(f"naive {naive:.0f} samples/s, pipelined (M={m}) {piped:.0f}: {piped / naive:.2f}x "
           f"(GPipe ideal {k * m / (m + k - 1):.2f}x)", flush=True)
+    if args.profile:
+        report["profile"] = {}
+        for m in (1, args.micro_batches):
+            model.micro_batches = m
+            model.train_function = functions.get(m)
+            report["profile"][str(m)] = profile = _profile(model, data, args.profile)
+            print(f"profile micro_batches={m}: " + json.dumps(
+                {k: profile.get(k) for k in ("phases_ms_per_step", "busy_ms_per_step", "idle_ms_per_step",
+                                              "window_ms_per_step", "kinds_ms_per_step")}), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+
+
+# Where a kernel's TF op sits in PipelineModel.train_step's name scopes. The gradient
+# sums (`sums[k][j] + g`) are the `add` ops directly under a stage's backward scope; the
+# gradients themselves are under `gradient_tape/<the forward scope>`, where a Dense
+# layer's weight gradient is its MatMul's second gradient (`MatMul/MatMul_1`, x^T dy:
+# TensorFlow's _MatMulGrad makes the input's first) and its bias's `BiasAddGrad`.
+PHASES = (
+    ("gradient_sums", r"stage\d+_backward_mb\d+/add"),
+    ("weight_gradients", r"gradient_tape/.*(MatMul/MatMul_1|BiasAddGrad)"),
+    ("backward", r"gradient_tape/|_backward_mb\d+/"),
+    ("forward", r"stage\d+_forward_mb\d+/"),
+    ("loss", r"loss_mb\d+/"),
+    ("optimizer", r"[Aa]dam|ResourceApply|AssignAdd|AssignSub|AssignVariable|update_step|apply_gradients"),
+)
+
+
+def _phase(op: str) -> str:
+    import re
+
+    for phase, pattern in PHASES:
+        if re.search(pattern, op):
+            return phase
+    return "other"
+
+
+def _profile(model, data, steps):
+    """Profiles `steps` steps of `model.fit` (TF profiler, CUPTI) and sorts every GPU
+    kernel by kind (benchmarks/profile/kernels.py) and by phase of the step."""
+    import glob
+    import shutil
+    import tempfile
+
+    import tensorflow as tf
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "profile"))
+    from kernels import breakdown, xspace_kernels
+
+    model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)  # warm
+    logdir = tempfile.mkdtemp(prefix="kvram-pipeline-profile-")
+    try:
+        tf.profiler.experimental.start(logdir)
+        model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
+        tf.profiler.experimental.stop()
+        planes = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        kernels = xspace_kernels(planes[0]) if planes else []
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    if not kernels:
+        return {"error": "no GPU kernels in the profile"}
+    result = breakdown(kernels, steps)
+    phases: dict = {}
+    for _name, _start, duration, _stream, op in kernels:
+        entry = phases.setdefault(_phase(op), [0.0, 0])
+        entry[0] += duration
+        entry[1] += 1
+    result["phases_ms_per_step"] = {k: round(v[0] / steps / 1e3, 3) for k, v in sorted(phases.items())}
+    result["phases_kernels_per_step"] = {k: v[1] / steps for k, v in sorted(phases.items())}
+    return result
 
 
 def _apply(layers, x):
