@@ -235,6 +235,10 @@ def _profile(model, data, steps):
         tf.profiler.experimental.stop()
         planes = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
         kernels = xspace_kernels(planes[0]) if planes else []
+        try:
+            copies = _memcpy_by_op(planes[0], steps) if kernels else []
+        except Exception as error:  # the kernels are kept whatever this finds
+            copies = f"{type(error).__name__}: {error}"
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
     if not kernels:
@@ -246,8 +250,49 @@ def _profile(model, data, steps):
         entry[0] += duration
         entry[1] += 1
     result["phases_ms_per_step"] = {k: round(v[0] / steps / 1e3, 3) for k, v in sorted(phases.items())}
+    result["memcpy_by_op"] = copies
     result["phases_kernels_per_step"] = {k: v[1] / steps for k, v in sorted(phases.items())}
     return result
+
+
+def _memcpy_by_op(path, steps, top=20):
+    """The profile's memory copies grouped by TF op and direction: calls, MB and ms a
+    step, from each copy event's `memcpy_details` statistic (its size)."""
+    import re
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    groups: dict = {}
+    for plane in space.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        names = {k: v.name for k, v in plane.stat_metadata.items()}
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                meta = plane.event_metadata[event.metadata_id]
+                kernel = meta.name or meta.display_name
+                if "Memcpy" not in kernel:
+                    continue
+                stats = {}
+                for stat in list(event.stats) + list(meta.stats):
+                    value = stat.str_value or (plane.stat_metadata[stat.ref_value].name if stat.ref_value else "")
+                    stats[names.get(stat.metadata_id, "")] = value or stat.uint64_value or stat.int64_value
+                details = str(stats.get("memcpy_details", ""))
+                size = re.search(r"(?:size|num_bytes|bytes):(\d+)", details)
+                key = (kernel, str(stats.get("tf_op", ""))[-160:], line.name)
+                entry = groups.setdefault(key, [0, 0, 0.0, details[:200]])
+                entry[0] += 1
+                entry[1] += int(size.group(1)) if size else 0
+                entry[2] += event.duration_ps / 1e9
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"copy": k[0], "op": k[1], "stream": k[2], "calls_per_step": v[0] / steps,
+             "mb_per_step": v[1] / steps / 1e6, "ms_per_step": v[2] / steps, "details": v[3]}
+            for k, v in rows]
 
 
 def _apply(layers, x):
