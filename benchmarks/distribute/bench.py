@@ -1,0 +1,170 @@
+"""Data parallel on GPUs (issue 14): kvram's ResNet50 (mixed_bfloat16, every part a
+`kvram.layers.Checkpoint`, XLA) at `--batch` images per GPU, synthetic data, SGD:
+
+1. `single`: one GPU (`CUDA_VISIBLE_DEVICES` = the first), no strategy;
+2. `mirrored`: `tf.distribute.MirroredStrategy` over every visible GPU, global batch
+   `--batch` x GPUs;
+3. `mwms`: two `MultiWorkerMirroredStrategy` workers (NCCL), one GPU each, started by
+   `kvram launch --workers 2`, the same global batch; worker 0's timing is kept.
+
+Each configuration runs in its own process(es), one after the other, and the file is
+written after each, so a run stopped early keeps what finished. img/s counts every
+image of the global batch; `scaling` is img/s over the single GPU's, same run.
+
+    python benchmarks/distribute/bench.py --out distribute.json
+    python benchmarks/distribute/bench.py --cpu --image-size 32 --batch 4 --steps 2   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from benchmarks.common import gpu_name, timed_fit, versions  # noqa: E402
+
+
+def child(args):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import tensorflow as tf
+
+    if args.config == "mwms":
+        # before anything starts TensorFlow's context: collectives are configured then
+        implementation = (tf.distribute.experimental.CommunicationImplementation.RING if args.cpu
+                          else tf.distribute.experimental.CommunicationImplementation.NCCL)
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
+    elif args.cpu and args.config == "mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+
+    import kvram
+    from models.resnet50 import resnet50
+
+    kind = "CPU" if args.cpu else "GPU"
+    devices = [f"{kind}:{i}" for i in range(len(tf.config.list_logical_devices(kind)))]
+    if args.config == "single":
+        strategy = tf.distribute.get_strategy()
+        replicas = 1
+    elif args.config == "mirrored":
+        strategy = tf.distribute.MirroredStrategy(devices)
+        replicas = strategy.num_replicas_in_sync
+    else:
+        replicas = strategy.num_replicas_in_sync
+    kvram.precision.enable("mixed_bfloat16")
+    shape = (args.image_size, args.image_size, 3)
+    started = time.perf_counter()
+    with strategy.scope():
+        model = resnet50(shape, checkpoint=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss="sparse_categorical_crossentropy", jit_compile=not args.cpu)
+    batch = args.batch * replicas  # the global batch: each replica gets args.batch
+    x = tf.random.uniform((batch, *shape), seed=0)
+    y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32, seed=1)
+    options = tf.data.Options()
+    # Every worker holds the same synthetic batch; the strategy splits each global batch
+    # into one part per replica (DATA: worker i takes the i-th part).
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    data = tf.data.Dataset.from_tensors((x, y)).repeat().with_options(options)
+    local = [f"{kind}:{i}" for i in range(replicas if args.config == "mirrored" else 1)]
+    timed = timed_fit(model, data, args.steps, args.warmup, local)
+    result = {
+        "config": args.config,
+        "replicas": replicas,
+        "global_batch": batch,
+        "img_per_s": batch * timed["steps"] / timed["seconds"],
+        "timed_steps": timed["steps"],
+        "seconds": timed["seconds"],
+        "final_loss": timed["loss"],
+        "peak_gib": timed["peak_gib"],
+        "jit_compile": getattr(model, "jit_compile", None),
+        "process_seconds": time.perf_counter() - started,
+    }
+    if args.config == "mwms":
+        result["worker"] = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=256, help="images per GPU")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--configs", default="single,mirrored,mwms")
+    parser.add_argument("--seconds-each", type=int, default=600, help="time limit of each configuration")
+    parser.add_argument("--cpu", action="store_true", help="logical CPUs instead of GPUs (smoke run)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.config:
+        return child(args)
+
+    passed = [a for a in sys.argv[1:] if not a.startswith("--out") and a != args.out]
+    report = {
+        "benchmark": "data-parallel-resnet50",
+        "gpu": gpu_name(),
+        "versions": versions(),
+        "command": "python " + " ".join(["benchmarks/distribute/bench.py"] + sys.argv[1:]),
+        "batch_per_replica": args.batch,
+        "image_size": args.image_size,
+        "model": "models.resnet50.resnet50(checkpoint=True), mixed_bfloat16, SGD(0.01, momentum=0.9), "
+                 + ("no XLA (CPU)" if args.cpu else "jit_compile=True"),
+        "results": {},
+    }
+    me = os.path.abspath(__file__)
+    for config in args.configs.split(","):
+        command = [sys.executable, me, "--config", config, *passed]
+        env = dict(os.environ)
+        if config == "single" and not args.cpu:
+            visible = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        if config == "mwms":
+            command = [sys.executable, "-m", "kvram", "launch", "--workers", "2",
+                       "--gpus", "none" if args.cpu else "auto", "--", *command]
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT,
+                                  timeout=args.seconds_each)
+            output, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as error:
+            output, code = f"stopped after {args.seconds_each} s: {str(error.stdout or '')[-2000:]}", None
+        lines = [line.split("RESULT ", 1)[1] for line in output.splitlines() if "RESULT " in line]
+        results = [json.loads(line) for line in lines]
+        if config == "mwms" and results:
+            entry = dict(min(results, key=lambda r: r.get("worker", 0)))
+            entry["workers_img_per_s"] = [r["img_per_s"] for r in sorted(results, key=lambda r: r.get("worker", 0))]
+        elif results:
+            entry = results[-1]
+        else:
+            entry = {"error": f"exit {code}", "output_tail": output[-3000:]}
+        entry["wall_seconds"] = time.perf_counter() - started
+        report["results"][config] = entry
+        single = report["results"].get("single", {}).get("img_per_s")
+        for record in report["results"].values():
+            if single and record.get("img_per_s"):
+                record["scaling"] = record["img_per_s"] / single
+        print(config, json.dumps({k: v for k, v in entry.items() if k != "output_tail"}), flush=True)
+        if "error" in entry:
+            print(entry["output_tail"][-1500:], flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    mirrored, mwms = (report["results"].get(k, {}).get("img_per_s") for k in ("mirrored", "mwms"))
+    if mirrored and mwms:
+        report["mwms_over_mirrored"] = mwms / mirrored
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
