@@ -262,7 +262,7 @@ class TrainFunction:
             model.jit_compile
             and getattr(model, "_kvram_xla_micro_step", True)
             and data is not None
-            and all(t.shape.is_fully_defined() for t in tree.flatten(data) if t is not None)
+            and _static_shapes(data)
         ):
             # One trace per batch shape: XLA needs static slice shapes.
             return self._compiled(
@@ -402,3 +402,16 @@ def _local_rows(data) -> int:
     if hasattr(first, "values") and isinstance(getattr(first, "values"), tuple):
         first = first.values[0]  # a PerReplica value
     return int(first.shape[0]) if first.shape[0] is not None else int(tf.shape(first)[0])
+
+
+def _static_shapes(data) -> bool:
+    """Whether every tensor of a batch has a static shape. Under a tf.distribute
+    strategy the batch arrives as distributed values (PerReplica), one tensor per
+    local replica; each is checked."""
+    for value in tree.flatten(data):
+        if value is None:
+            continue
+        parts = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
+        if not all(part.shape.is_fully_defined() for part in parts):
+            return False
+    return True

@@ -197,3 +197,40 @@ def test_multi_worker_killed_worker_resumes_to_the_same_weights(tmp_path, kwargs
         assert int(saved["iterations"]) == int(one.optimizer.iterations.numpy())
         got = [saved[f"arr_{j}"] for j in range(len(expected))]
         assert max_rel_diff(expected, got) < TOL
+
+
+def test_static_shapes_reads_distributed_batches(mirrored):
+    """Under a strategy a batch reaches kvram's train function as distributed
+    values (PerReplica), one tensor per local replica. Checking their shapes for
+    the XLA step raised AttributeError: seen with two MultiWorkerMirroredStrategy
+    workers under jit_compile on two H200s (benchmarks/results/distribute_2xh200.json)
+    and on the CPU with `benchmarks/distribute/bench.py --cpu --jit --configs mwms`,
+    which then stops at XLA's missing CPU collectives (b/194942685)."""
+    from kvram._train_function import _static_shapes
+
+    per_replica = mirrored.experimental_distribute_values_from_function(lambda ctx: tf.zeros((2, 3)))
+    assert isinstance(per_replica, tf.distribute.DistributedValues)
+    assert _static_shapes((per_replica, None, tf.zeros((4,))))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="known bug (issue 14): under MirroredStrategy with jit_compile=True on GPUs the "
+    "replica step runs without merge_call, but kvram's skip-on-non-finite cond calls the "
+    "optimizer in a cond branch, where Keras's all-reduce falls back to merge_call: "
+    "'merge_call called while defining a new graph'. Keras's LossScaleOptimizer has the "
+    "same cond. Workaround: jit_compile=False under a strategy.",
+)
+def test_mirrored_under_xla_as_on_gpus(mirrored, monkeypatch):
+    """MirroredStrategy drops merge_call only for GPU devices under XLA; the device
+    test is patched so that two logical CPUs take the GPUs' path (the error is
+    raised while tracing, before any device runs)."""
+    from tensorflow.python.distribute import mirrored_strategy
+
+    monkeypatch.setattr(mirrored_strategy, "_is_gpu_device", lambda device: True)
+    x, y = data()
+    with mirrored.scope():
+        model = make()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)

@@ -36,7 +36,7 @@ def child(args):
 
     if args.config == "mwms":
         # before anything starts TensorFlow's context: collectives are configured then
-        implementation = (tf.distribute.experimental.CommunicationImplementation.RING if args.cpu
+        implementation = (tf.distribute.experimental.CommunicationImplementation.AUTO if args.cpu
                           else tf.distribute.experimental.CommunicationImplementation.NCCL)
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
@@ -64,7 +64,7 @@ def child(args):
     with strategy.scope():
         model = resnet50(shape, checkpoint=True)
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                      loss="sparse_categorical_crossentropy", jit_compile=not args.cpu)
+                      loss="sparse_categorical_crossentropy", jit_compile=args.jit or not args.cpu)
     batch = args.batch * replicas  # the global batch: each replica gets args.batch
     x = tf.random.uniform((batch, *shape), seed=0)
     y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32, seed=1)
@@ -101,6 +101,7 @@ def main():
     parser.add_argument("--configs", default="single,mirrored,mwms")
     parser.add_argument("--seconds-each", type=int, default=600, help="time limit of each configuration")
     parser.add_argument("--cpu", action="store_true", help="logical CPUs instead of GPUs (smoke run)")
+    parser.add_argument("--jit", action="store_true", help="jit_compile=True on the CPU too")
     parser.add_argument("--out", default=None)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
