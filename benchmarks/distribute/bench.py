@@ -13,6 +13,9 @@ image of the global batch; `scaling` is img/s over the single GPU's, same run.
 
     python benchmarks/distribute/bench.py --out distribute.json
     python benchmarks/distribute/bench.py --cpu --image-size 32 --batch 4 --steps 2   # smoke run
+
+`--cpu --jit` compiles with XLA on the CPU too: the workers then stop at XLA's missing
+CPU collectives (b/194942685), after everything kvram does before them.
 """
 
 from __future__ import annotations
