@@ -151,19 +151,15 @@ def main():
             entry = {"error": f"exit {code}", "output_tail": output[-3000:]}
         entry["wall_seconds"] = time.perf_counter() - started
         report["results"][config] = entry
-        single = report["results"].get("single", {}).get("img_per_s")
-        for record in report["results"].values():
-            if single and record.get("img_per_s"):
-                record["scaling"] = record["img_per_s"] / single
+        rates = {k: r.get("img_per_s") for k, r in report["results"].items()}
+        for name, record in report["results"].items():
+            if rates.get("single") and rates[name]:
+                record["scaling"] = rates[name] / rates["single"]
+        if rates.get("mirrored") and rates.get("mwms"):
+            report["mwms_over_mirrored"] = rates["mwms"] / rates["mirrored"]
         print(config, json.dumps({k: v for k, v in entry.items() if k != "output_tail"}), flush=True)
         if "error" in entry:
             print(entry["output_tail"][-1500:], flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
-    mirrored, mwms = (report["results"].get(k, {}).get("img_per_s") for k in ("mirrored", "mwms"))
-    if mirrored and mwms:
-        report["mwms_over_mirrored"] = mwms / mirrored
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
