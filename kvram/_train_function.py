@@ -36,6 +36,8 @@ the controller can predict memory per row.
 from __future__ import annotations
 
 import gc
+import contextlib
+import threading
 import time
 
 import keras
@@ -264,10 +266,28 @@ class TrainFunction:
             and data is not None
             and _static_shapes(data)
         ):
-            # One trace per batch shape: XLA needs static slice shapes.
-            return self._compiled(
-                ("fused_xla", micro_batch_size), step, jit_compile=True, reduce_retracing=False
+            # Each replica's step is compiled, inside `strategy.run`, as Keras
+            # compiles its own (`one_step_on_data`): traced in the replica's own
+            # thread, its graph and every cond branch in it are in XLA context,
+            # so MirroredStrategy on GPUs all-reduces with collectives and no
+            # merge_call, which may not sit in a cond (kvram's skip of a
+            # non-finite step, Keras's LossScaleOptimizer). Compiling around
+            # `strategy.run` left the replicas' cond branches out of that
+            # context: "merge_call called while defining a new graph" on two
+            # H200s (benchmarks/results/distribute_2xh200.json). One trace per
+            # batch shape: XLA needs static slice shapes.
+            replica_step = self._compiled(
+                ("fused_xla_replica", micro_batch_size),
+                model.train_step,
+                jit_compile=True,
+                reduce_retracing=False,
             )
+
+            def xla_step(data):
+                logs = strategy.run(replica_step, args=(data,))
+                return reduce_logs(logs, strategy)
+
+            return self._compiled(("fused_xla", micro_batch_size), xla_step, reduce_retracing=False)
         return self._compiled(("fused", micro_batch_size), step)
 
     def _replica_gradients(self, data, micro_batch_size):
@@ -341,6 +361,63 @@ class TrainFunction:
 
     def _restore(self, saved) -> None:
         self._restore_function(saved)
+
+
+def step_state_variables(model) -> list:
+    """The distributed variables of kvram's counters and the optimizer's state,
+    among them those a training step updates to the same value on every
+    replica (aggregation ONLY_FIRST_REPLICA: the step counts)."""
+    variables = list(model._kvram_counters())
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        variables += list(optimizer.variables)
+    return [
+        v for v in (getattr(v, "value", v) for v in variables)
+        if isinstance(v, tf.distribute.DistributedValues)
+    ]
+
+
+_aggregation_lock = threading.Lock()
+_held_aggregations: dict = {}  # id -> [variable, saved aggregation, holders]
+
+
+@contextlib.contextmanager
+def updated_in_each_replica(variables):
+    """Within, a replica updates its own copy of those of `variables` whose
+    aggregation is ONLY_FIRST_REPLICA (as if NONE) instead of broadcasting
+    the first replica's value.
+    For a step in which every replica computes the same update (the step
+    count plus one), so that the copies stay equal.
+
+    Works around keras-team/keras#17187 (open): under MirroredStrategy with
+    `jit_compile=True` on GPUs each replica's step is its own XLA function, and
+    TensorFlow updates an ONLY_FIRST_REPLICA variable in replica context by a
+    `merge_call`, which may not happen there ("merge_call called while
+    defining a new graph or a tf.function", from the optimizer's
+    `iterations.assign_add(1)`). The aggregation is read while the step is
+    traced and restored after the last replica's trace leaves (a count per
+    variable: replicas trace in threads)."""
+    with _aggregation_lock:
+        held_here = []
+        for v in variables:
+            held = _held_aggregations.get(id(v))
+            if held is None:
+                if v._aggregation != tf.VariableAggregation.ONLY_FIRST_REPLICA:
+                    continue
+                held = _held_aggregations[id(v)] = [v, v._aggregation, 0]
+            held[2] += 1
+            held_here.append(v)
+            v._aggregation = tf.VariableAggregation.NONE
+    try:
+        yield
+    finally:
+        with _aggregation_lock:
+            for v in held_here:
+                held = _held_aggregations[id(v)]
+                held[2] -= 1
+                if held[2] == 0:
+                    v._aggregation = held[1]
+                    del _held_aggregations[id(v)]
 
 
 def unique(variables) -> list:

@@ -528,6 +528,17 @@ class Model(keras.Model):
             finite, bad_inputs = tf.equal(bad[0], 0), tf.greater(bad[1], 0)
             if self.clip_global_norm is not None:
                 gradients = self._clip_across_replicas(context, gradients)
+        if replicated and tf.__internal__.distribute.strategy_supports_no_merge_call():
+            # Each replica's step is XLA-compiled (MirroredStrategy on GPUs):
+            # no merge_call may happen in it (keras-team/keras#17187).
+            with _train_function.updated_in_each_replica(
+                _train_function.step_state_variables(self)
+            ):
+                self._count_and_apply(gradients, trainable_weights, finite, bad_inputs, context)
+            return
+        self._count_and_apply(gradients, trainable_weights, finite, bad_inputs, context)
+
+    def _count_and_apply(self, gradients, trainable_weights, finite, bad_inputs, context):
         skipped = tf.cast(tf.logical_not(finite), tf.int64)
         self._skipped.assign_add(skipped)
         self._skip_run.assign((self._skip_run + 1) * skipped)

@@ -213,24 +213,69 @@ def test_static_shapes_reads_distributed_batches(mirrored):
     assert _static_shapes((per_replica, None, tf.zeros((4,))))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="known bug (issue 14): under MirroredStrategy with jit_compile=True on GPUs the "
-    "replica step runs without merge_call, but kvram's skip-on-non-finite cond calls the "
-    "optimizer in a cond branch, where Keras's all-reduce falls back to merge_call: "
-    "'merge_call called while defining a new graph'. Keras's LossScaleOptimizer has the "
-    "same cond. Workaround: jit_compile=False under a strategy.",
-)
-def test_mirrored_under_xla_as_on_gpus(mirrored, monkeypatch):
-    """MirroredStrategy drops merge_call only for GPU devices under XLA; the device
-    test is patched so that two logical CPUs take the GPUs' path (the error is
-    raised while tracing, before any device runs)."""
+@pytest.mark.parametrize("micro_batch_size", [None, 4], ids=["keras_step", "kvram_step"])
+def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_size):
+    """On GPUs under `jit_compile`, MirroredStrategy compiles each replica's step
+    as its own XLA function and takes no merge_call in it. Tracing that step
+    failed on two H200s (benchmarks/results/distribute_2xh200.json) with "merge_call
+    called while defining a new graph": the optimizer's step count and kvram's
+    counters (aggregation ONLY_FIRST_REPLICA) are updated by a merge_call,
+    keras-team/keras#17187. Here the GPU-device check MirroredStrategy makes is
+    patched, so two logical CPUs trace the GPUs' path; the step is traced, not
+    run (XLA on the CPU cannot run one function per logical CPU: each reads
+    the other's variables)."""
     from tensorflow.python.distribute import mirrored_strategy
 
-    monkeypatch.setattr(mirrored_strategy, "_is_gpu_device", lambda device: True)
+    from kvram import _train_function
+
     x, y = data()
     with mirrored.scope():
-        model = make()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        model = make(micro_batch_size=micro_batch_size)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # builds every variable
+    monkeypatch.setattr(mirrored_strategy, "_is_gpu_device", lambda device: True)
+    model.jit_compile = True
+    batch = next(iter(mirrored.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    )))
+    if micro_batch_size is None:  # Keras's own step, as its trainer builds it
+        replica_step = tf.function(model.train_step, jit_compile=True)
+        step = tf.function(lambda data: mirrored.run(replica_step, args=(data,)))
+    else:
+        model.make_train_function(force=True)
+        step = model.train_function._fused(micro_batch_size, batch)
+    graph = step.get_concrete_function(batch).graph
+    ops = {op.type for f in graph._functions.values() for op in f.graph.get_operations()}
+    assert "CollectiveReduceV2" in ops, sorted(ops)  # all-reduced without merge_call
+    held = _train_function.step_state_variables(model)
+    assert model.optimizer.iterations.value in held
+    # the aggregation is only changed while tracing
+    assert all(
+        v.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
+        for v in [model._skipped, model.optimizer.iterations.value]
+    )
+
+
+def test_updated_in_each_replica_keeps_the_copies_equal(mirrored):
+    """Inside, each replica updates its own copy of an ONLY_FIRST_REPLICA
+    variable (no merge_call), so every replica's step count moves alike."""
+    from kvram._train_function import updated_in_each_replica
+
+    with mirrored.scope():
+        count = tf.Variable(
+            0, dtype=tf.int64, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA
+        )
+
+    @tf.function
+    def step():
+        def replica():
+            with updated_in_each_replica([count]):
+                assert count.aggregation == tf.VariableAggregation.NONE
+                count.assign_add(1)
+
+        mirrored.run(replica)
+
+    step()
+    step()
+    assert [int(v.numpy()) for v in mirrored.experimental_local_results(count)] == [2, 2]
+    assert count.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
