@@ -450,6 +450,22 @@ class _Shard:
                 raise ShardError(path, f"ended early: shard {self.number} was truncated after the dataset was opened")
             done += count
 
+    def tensor(self, name: str):
+        """Field `name` of this shard as a TF tensor over the memory-mapped file,
+        without a copy (DLPack; a copy-on-write mapping, since DLPack cannot
+        mark memory read-only: TF never writes it). The caller checks the shard
+        first (`ShardVerifier.ensure`)."""
+        import tensorflow as tf
+
+        path = self.paths[name]
+        try:
+            array = np.load(path, mmap_mode="c", allow_pickle=False)
+        except OSError as error:
+            raise self._cannot_read(error, path) from None
+        if array.ctypes.data % _BufferPool.ALIGN:
+            return None
+        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+
     def arrays(self) -> dict:
         if self.verifier is not None:
             self.verifier.ensure(self.number)
@@ -801,6 +817,15 @@ class ShardedDataset:
                 at all (the consumer's first touch reads the page cache); other
                 batches are assembled by pread as above. A file truncated
                 under a mapped view kills the process with SIGBUS.
+                "view": no Python per batch. Each shard is mapped once and
+                handed to TF as a tensor over the mapping (DLPack, no copy);
+                TF slices every batch from those tensors (a batch in one shard,
+                in order: a slice sharing the mapping's memory when a row is a
+                multiple of 64 bytes; several pieces: one copy, by TF, in
+                parallel readers). Python runs once an epoch, to plan the
+                block order, and per batch only until every shard is checked
+                (the first epoch, with `verify_on_read`). SIGBUS on truncation,
+                as "memmap". Measured against the others: `benchmarks/README.md`.
 
         Returns:
             A dataset with known cardinality (`assert_cardinality`), so Keras
@@ -811,8 +836,8 @@ class ShardedDataset:
         from kvram import _checks
 
         batch_size = _checks.positive_int("batch_size", batch_size)
-        if read not in ("pread", "memmap"):
-            raise ValueError(f'read must be "pread" or "memmap". Received: read={read!r}')
+        if read not in ("pread", "memmap", "view"):
+            raise ValueError(f'read must be "pread", "memmap" or "view". Received: read={read!r}')
         block_size = _checks.positive_int("block_size", block_size, allow_none=True)
         names = self._field_names(fields)
         total = len(self)
@@ -825,6 +850,15 @@ class ShardedDataset:
         dtypes = [tf.as_dtype(self.fields[n][0]) for n in names]
         block = block_size or max(1, batch_size // 8)
         plan = functools.lru_cache(maxsize=4)(functools.partial(self._epoch_plan, block))
+
+        if read == "view":
+            lists = self._shard_tensor_lists(names)
+            if lists is not None:
+                dataset = self._view_batches(
+                    names, lists, batch_size, batches, block, shuffle, seed, repeat,
+                    drop_remainder, num_parallel_reads,
+                )
+                return self._finish(dataset, batches, repeat, device, prefetch)
 
         buffers = _BufferPool()
 
@@ -877,6 +911,12 @@ class ShardedDataset:
             if repeat:
                 dataset = dataset.repeat()
         dataset = dataset.map(to_batch, num_parallel_calls=num_parallel_reads, deterministic=True)
+        return self._finish(dataset, batches, repeat, device, prefetch)
+
+    @staticmethod
+    def _finish(dataset, batches, repeat, device, prefetch):
+        import tensorflow as tf
+
         if not repeat:
             dataset = dataset.apply(tf.data.experimental.assert_cardinality(batches))
         if device is not None:
@@ -884,6 +924,153 @@ class ShardedDataset:
         elif prefetch:
             dataset = dataset.prefetch(prefetch)
         return dataset
+
+    # -- read="view": batches assembled by TensorFlow from tensors over the mapped shards
+    def _shard_tensor_lists(self, names) -> dict | None:
+        """{field: a TensorList of every shard's tensor over its mapped file}, or
+        None when a payload is not 64-byte aligned (TF would copy it)."""
+        import tensorflow as tf
+
+        lists = {}
+        for name in names:
+            dtype, shape = tf.as_dtype(self.fields[name][0]), self.fields[name][1]
+            handle = tf.raw_ops.EmptyTensorList(
+                element_shape=tf.constant((-1,) + shape, tf.int32), max_num_elements=-1,
+                element_dtype=dtype,
+            )
+            for shard in self._shards:
+                tensor = shard.tensor(name)
+                if tensor is None:
+                    return None
+                handle = tf.raw_ops.TensorListPushBack(input_handle=handle, tensor=tensor)
+            lists[name] = handle
+        return lists
+
+    def _pieces(self, blocks, batch_size: int, batches: int, least_slots: int = 1):
+        """The reading plan of an epoch whose rows come in `blocks` ([start, stop)
+        rows, in reading order), cut into batches: (pieces [batches, most, 3] as
+        (shard, first row in the shard, rows), pieces per batch [batches])."""
+        starts, stops = blocks[:, 0], blocks[:, 1]
+        lengths = stops - starts
+        offsets = np.cumsum(lengths) - lengths  # of each block in the epoch's stream
+        first = offsets // batch_size
+        last = (offsets + lengths - 1) // batch_size
+        repeats = last - first + 1
+        block = np.repeat(np.arange(len(blocks)), repeats)
+        batch = first[block] + np.arange(len(block)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
+        low = np.maximum(offsets[block], batch * batch_size) - offsets[block]
+        high = np.minimum(offsets[block] + lengths[block], (batch + 1) * batch_size) - offsets[block]
+        keep = batch < batches  # drop_remainder: the short last batch's pieces
+        block, batch, low, high = block[keep], batch[keep], low[keep], high[keep]
+        begin = starts[block] + low
+        shard = np.searchsorted(self._starts, begin, side="right") - 1
+        counts = np.bincount(batch, minlength=batches)
+        slot = np.arange(len(batch)) - np.repeat(np.cumsum(counts) - counts, counts)
+        table = np.zeros((batches, max(least_slots, int(counts.max())), 3), np.int64)
+        table[batch, slot] = np.stack([shard, begin - self._starts[shard], high - low], axis=1)
+        return table, counts.astype(np.int64)
+
+    def _view_batches(self, names, lists, batch_size, batches, block, shuffle, seed, repeat,
+                      drop_remainder, num_parallel_reads):
+        import tensorflow as tf
+
+        total_blocks = np.stack([self._starts[:-1], self._starts[1:]], axis=1)
+
+        def plan(epoch_seed):
+            # Python once an epoch: the order of the blocks and where each batch's rows lie.
+            blocks = self._epoch_plan(block, int(epoch_seed))[0] if shuffle else total_blocks
+            checked = self._verifier is None or all(self._verifier._done)
+            if not checked:
+                self._start_verification(blocks[:, 0])
+            table, counts = self._pieces(blocks, batch_size, batches, slots)
+            return table, counts, np.full(batches, checked)
+
+        def ensure(shards):
+            for number in np.unique(shards):
+                self._verifier.ensure(int(number))
+            return np.bool_(True)
+
+        def epoch(epoch_seed):
+            table, counts, checked = tf.numpy_function(
+                plan, [epoch_seed], (tf.int64, tf.int64, tf.bool), stateful=False
+            )
+            table.set_shape((batches, None, 3))
+            counts.set_shape((batches,))
+            checked.set_shape((batches,))
+            return tf.data.Dataset.from_tensor_slices((table, counts, checked))
+
+        # Pieces unrolled in the graph: in order, as many as a batch has at most
+        # (the plan is the same every epoch); shuffled, those of a batch of whole
+        # blocks, plus one, at most 32 (a loop reads a batch of more).
+        fixed = not shuffle
+        if fixed:
+            slots = int(self._pieces(total_blocks, batch_size, batches)[1].max())
+        else:
+            slots = min(-(-batch_size // block) + 1, 32)
+        verify = self._verifier is not None and not all(self._verifier._done)
+
+        def assemble(pieces, count, checked):
+            ready = []
+            if verify:
+                # Until every shard is checked (the first epoch), a batch waits for its shards.
+                ready = [tf.cond(
+                    checked,
+                    lambda: tf.constant(True),
+                    lambda: tf.numpy_function(ensure, [pieces[:count, 0]], tf.bool, stateful=True),
+                )]
+            out = []
+            with tf.control_dependencies(ready):
+                for name in names:
+                    dtype, shape = tf.as_dtype(self.fields[name][0]), self.fields[name][1]
+
+                    def piece(j, name=name, dtype=dtype, shape=shape):
+                        tensor = tf.raw_ops.TensorListGetItem(
+                            input_handle=lists[name], index=tf.cast(pieces[j, 0], tf.int32),
+                            element_shape=tf.constant((-1,) + shape, tf.int32), element_dtype=dtype,
+                        )
+                        return tensor[pieces[j, 1]:pieces[j, 1] + pieces[j, 2]]
+
+                    def gathered(piece=piece, dtype=dtype, shape=shape):
+                        size = tf.cast(count, tf.int32)
+                        parts = tf.TensorArray(dtype, size=size, infer_shape=False, element_shape=(None,) + shape)
+                        parts = tf.while_loop(
+                            lambda j, parts: j < size,
+                            lambda j, parts: (j + 1, parts.write(j, piece(j))),
+                            (tf.constant(0), parts),
+                        )[1]
+                        return parts.concat()
+
+                    def unrolled(piece=piece):
+                        # Slots past `count` are empty slices (0 rows), which concat skips.
+                        return tf.concat([piece(j) for j in range(slots)], axis=0)
+
+                    # One piece: a slice of the mapped shard, no copy; several: one copy
+                    # (a loop only for batches of more pieces than a shuffled batch's
+                    # usual most: short blocks at the ends of shards).
+                    if slots == 1:  # every batch lies in one shard
+                        tensor = piece(0)
+                    elif fixed:  # no batch has more than `slots` pieces
+                        tensor = tf.cond(tf.equal(count, 1), lambda piece=piece: piece(0), unrolled)
+                    else:
+                        tensor = tf.case(
+                            [(tf.equal(count, 1), lambda piece=piece: piece(0)),
+                             (count <= slots, unrolled)],
+                            default=gathered,
+                        )
+                    tensor.set_shape((batch_size if drop_remainder else None,) + shape)
+                    out.append(tensor)
+            return out[0] if len(out) == 1 else tuple(out)
+
+        if shuffle:
+            seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+            if not repeat:
+                seeds = seeds.take(1)
+        else:
+            seeds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
+            if repeat:
+                seeds = seeds.repeat()
+        dataset = seeds.flat_map(epoch)
+        return dataset.map(assemble, num_parallel_calls=num_parallel_reads, deterministic=True)
 
     def _field_names(self, fields) -> list:
         if fields is None:

@@ -430,8 +430,94 @@ def test_memmap_and_pread_batches_are_equal(shards):
         by_memmap = epoch(dataset.to_tf_dataset(96, shuffle=shuffle, seed=5, read="memmap"))
         for a, b in zip(by_pread, by_memmap):
             np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError, match=r'read must be "pread" or "memmap". Received: read=\'mmap\''):
+    with pytest.raises(ValueError, match=r'read must be "pread", "memmap" or "view". Received: read=\'mmap\''):
         dataset.to_tf_dataset(96, read="mmap")
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize(
+    "batch,block,drop_remainder",
+    [(100, None, False), (96, None, True), (7, 3, False), (40, 1, False), (1000, None, True)],
+)
+def test_view_batches_equal_pread_batches(shards, shuffle, batch, block, drop_remainder):
+    """read="view" assembles the same batches as pread, in TensorFlow: one piece
+    of a shard (in order, 100 of 300-row shards), several pieces (across shards,
+    shuffled blocks), and more pieces than the graph unrolls (shuffled, 40
+    blocks of 1 row; in order, batch 1000 over 4 shards)."""
+    dataset = ShardedDataset(shards.directory, verify_on_read=False)
+    options = dict(shuffle=shuffle, seed=5, block_size=block, drop_remainder=drop_remainder)
+    by_pread = list(dataset.to_tf_dataset(batch, **options))
+    view = dataset.to_tf_dataset(batch, read="view", **options)
+    assert int(view.cardinality()) == len(by_pread)
+    by_view = list(view)
+    assert len(by_view) == len(by_pread)
+    for a, b in zip(by_pread, by_view):
+        for u, v in zip(a, b):
+            np.testing.assert_array_equal(u.numpy(), v.numpy())
+    if drop_remainder:
+        assert view.element_spec[0].shape[0] == batch
+
+
+def test_view_reads_every_sample_once_a_new_order_each_epoch(shards):
+    x, y, w = arrays()
+    dataset = ShardedDataset(shards.directory, verify_on_read=False)
+    iterator = iter(dataset.to_tf_dataset(64, shuffle=True, seed=2, repeat=True, read="view"))
+    orders = []
+    for _ in range(2):
+        batches = [next(iterator) for _ in range(-(-N // 64))]
+        ex, ey, ew = (np.concatenate([b[i].numpy() for b in batches]) for i in range(3))
+        assert sorted(ey.tolist()) == list(range(N))
+        np.testing.assert_array_equal(ex, x[ey])
+        np.testing.assert_array_equal(ew, w[ey])
+        orders.append(ey)
+    assert not np.array_equal(orders[0], orders[1])
+
+
+def test_view_batches_in_one_shard_are_the_mapped_file(tmp_path):
+    """In order, a batch that lies in one shard is a slice of the tensor over the
+    memory-mapped file (DLPack): its memory is in the file's mapping, no copy.
+    (TensorFlow's slice shares memory when a row is a multiple of 64 bytes,
+    here 16 float32; otherwise it copies the slice.)"""
+    x = np.arange(1000 * 16, dtype=np.float32).reshape(1000, 16)
+    dataset = write_shards({"x": x}, tmp_path / "s", samples_per_shard=300, verbose=0)
+    first = next(iter(dataset.to_tf_dataset(100, shuffle=False, read="view")))
+    np.testing.assert_array_equal(first.numpy(), x[:100])
+    mapped = []
+    with open("/proc/self/maps") as handle:
+        for line in handle:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == str(tmp_path / "s" / "x-00000.npy"):
+                low, high = parts[0].split("-")
+                mapped.append((int(low, 16), int(high, 16)))
+    address = np.asarray(first).ctypes.data
+    assert mapped and any(low <= address < high for low, high in mapped), "the batch was copied"
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_view_checks_a_shard_before_any_of_its_samples(shards, shuffle):
+    path = os.path.join(shards.directory, "x-00002.npy")  # samples 600 to 899
+    _flip_a_byte(path)
+    kvram.data._verify.forget_checked()
+    dataset = ShardedDataset(shards.directory, verify_threads=2)
+    seen = []
+    with pytest.raises(Exception, match="checksum mismatch") as error:
+        for _, y, _ in dataset.to_tf_dataset(50, shuffle=shuffle, seed=1, read="view"):
+            seen.extend(y.numpy().tolist())
+    assert path in str(error.value) and "Samples 600 to 899 (shard 2)" in str(error.value)
+    assert not any(600 <= i < 900 for i in seen), "a sample of the corrupt shard was handed out"
+
+
+def test_view_of_checked_shards_reads_without_python(shards, monkeypatch):
+    """Once every shard is checked, an epoch runs Python once (its plan), not per batch."""
+    dataset = ShardedDataset(shards.directory)
+    dataset.verify(verbose=0)
+    calls = []
+    plan = dataset._pieces
+    monkeypatch.setattr(dataset, "_pieces", lambda *a: calls.append(1) or plan(*a))
+    stream = dataset.to_tf_dataset(10, shuffle=True, seed=0, read="view")
+    calls.clear()
+    assert len(list(stream)) == N // 10
+    assert len(calls) == 1
 
 
 def test_batch_arrays_are_reused_only_when_nothing_holds_them(shards):
