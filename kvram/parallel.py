@@ -21,6 +21,7 @@ without XLA (`jit_compile=False`); asking for XLA is an error.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -78,6 +79,14 @@ class PipelineModel(Model):
             slices of n // m or n // m + 1 rows; it needs n >= m).
         checkpoint: wrap every stage in `kvram.layers.Checkpoint`
             (recompute its activations in the backward pass).
+        host_swapping: let TensorFlow's graph optimizer (Grappler's memory
+            optimizer) copy activations to host memory and back during the
+            training step when it predicts they will not fit. Default False:
+            it is off for this model's step. With 8 micro-batches it predicted
+            too much and swapped about 120 activations of 33.6 MB each way per
+            step, 7% slower, where the step fit without (one H200 split in two
+            28 GiB halves, `benchmarks/README.md`, pipeline). Use
+            `checkpoint=True` to save activation memory instead.
         **kwargs: `kvram.Model` arguments (`clip_global_norm`, `skip_nonfinite`,
             `name`). `micro_batch_size` and `accumulation_steps` do not apply.
 
@@ -93,7 +102,8 @@ class PipelineModel(Model):
         # `stages, devices` would read as functional `inputs, outputs`.
         return keras.Model.__new__(cls)
 
-    def __init__(self, stages, devices, micro_batches: int = 8, checkpoint: bool = False, **kwargs):
+    def __init__(self, stages, devices, micro_batches: int = 8, checkpoint: bool = False,
+                 host_swapping: bool = False, **kwargs):
         if kwargs.get("micro_batch_size") is not None or kwargs.get("accumulation_steps", 1) != 1:
             raise ValueError(
                 "PipelineModel slices batches itself (micro_batches); micro_batch_size and "
@@ -122,6 +132,7 @@ class PipelineModel(Model):
         self.device_names = [_device(d) for d in devices]
         self.micro_batches = _checks.positive_int("micro_batches", micro_batches)
         self.checkpoint = _checks.boolean("checkpoint", checkpoint)
+        self.host_swapping = _checks.boolean("host_swapping", host_swapping)
         super().__init__(**kwargs)
         if checkpoint:
             from kvram.layers import Checkpoint
@@ -167,7 +178,18 @@ class PipelineModel(Model):
 
     def make_train_function(self, force=False):
         # kvram.Model refuses an overridden train_step only for its own slicing.
-        return keras.Model.make_train_function(self, force=force)
+        keras.Model.make_train_function(self, force=force)
+        function = self.train_function
+        if self.host_swapping or getattr(function, "_kvram_without_host_swapping", False):
+            return function
+
+        def train_function(iterator):
+            with without_host_swapping():
+                return function(iterator)
+
+        train_function._kvram_without_host_swapping = True
+        self.train_function = train_function
+        return train_function
 
     def train_step(self, data):
         if not self.built:
@@ -266,6 +288,7 @@ class PipelineModel(Model):
             "devices": self.device_names,
             "micro_batches": self.micro_batches,
             "checkpoint": False,  # stages are saved already wrapped
+            "host_swapping": self.host_swapping,
             "name": self.name,
         }
 
@@ -280,6 +303,35 @@ class PipelineModel(Model):
                 stages.append(keras.saving.deserialize_keras_object(stage))
         config["stages"] = stages
         return cls(**config)
+
+
+@contextlib.contextmanager
+def without_host_swapping():
+    """Within, `tf.function`s called (and traced) on this thread are optimized
+    with Grappler's memory optimizer off (`memory_optimization=NO_MEM_OPT`),
+    so it cannot move activations to host memory and back. TensorFlow has no
+    public switch for it (`tf.config.optimizer.set_experimental_options` has
+    no such key); the per-call options that eager function calls carry
+    (their `config_proto`, which Grappler reads) are amended, and restored
+    after."""
+    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    saved = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    if saved.config_proto_serialized:
+        config.ParseFromString(saved.config_proto_serialized)
+    config.graph_options.rewrite_options.memory_optimization = (
+        rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    )
+    ctx.function_call_options = context.FunctionCallOptions(
+        executor_type=saved.executor_type, config_proto=config
+    )
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
 
 
 def _on(variable, device: str) -> bool:

@@ -241,3 +241,46 @@ def test_stages_of_a_strategy_cannot_be_moved(mirrored):
     with pytest.raises(ValueError, match=r"Stage 1 .* was built before PipelineModel placed it, and its "
                                          r"variable .* cannot be moved to .*CPU:1"):
         model.build((None, 5))
+
+
+def _memory_optimization():
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(context.context().function_call_options.config_proto_serialized or b"")
+    return config.graph_options.rewrite_options.memory_optimization
+
+
+@pytest.mark.parametrize("host_swapping", [False, True])
+def test_training_step_runs_without_host_swapping_by_default(host_swapping):
+    """The step's function is called and traced with Grappler's memory optimizer
+    off (the `config_proto` each eager function call carries), unless
+    host_swapping=True; the option is restored after the call and saved."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):
+            graph, names = tf.compat.v1.get_default_graph(), []
+            while graph is not None:
+                names.append(getattr(graph, "name", ""))
+                graph = getattr(graph, "outer_graph", None)
+            if any("step" in n for n in names):  # while the step is traced (not while built)
+                seen.append(_memory_optimization())
+            return x
+
+    x, y = data()
+    parts = layers()
+    model = PipelineModel(
+        [keras.Sequential(parts[:2]), keras.Sequential([Probe()] + parts[2:])],
+        ["CPU:0", "CPU:1"], micro_batches=2, host_swapping=host_swapping,
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    before = _memory_optimization()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    off = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+    assert seen and all((v == off) != host_swapping for v in seen), seen
+    assert _memory_optimization() == before
+    assert model.get_config()["host_swapping"] is host_swapping

@@ -53,10 +53,10 @@ def main():
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the timing, profile STEPS steps of each M and sort the GPU "
                              "kernels by phase (forward, backward, gradient sums, loss, optimizer)")
-    parser.add_argument("--no-swapping", action="store_true",
-                        help="experiment: Grappler's memory optimizer off (memory_optimization="
-                             "NO_MEM_OPT) for the whole process, so it cannot move activations "
-                             "to host memory and back (its swapping heuristics)")
+    parser.add_argument("--host-swapping", action="store_true",
+                        help="PipelineModel(host_swapping=True): Grappler's memory optimizer may "
+                             "copy activations to host memory and back in the step (TF's default; "
+                             "kvram turns it off for PipelineModel's step)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--single-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -74,20 +74,6 @@ def main():
     import numpy as np
     import tensorflow as tf
 
-    if args.no_swapping:
-        # No public switch exists (tf.config.optimizer.set_experimental_options has no
-        # memory_optimization key): the context's ConfigProto is amended before TF starts.
-        from tensorflow.core.protobuf import rewriter_config_pb2
-        from tensorflow.python.eager import context
-
-        made = context.Context.config.fget
-
-        def config(self):
-            proto = made(self)
-            proto.graph_options.rewrite_options.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
-            return proto
-
-        context.Context.config = property(config, context.Context.config.fset)
     cap = tf.config.LogicalDeviceConfiguration(memory_limit=int(args.cap_gib * 1024))
     if args.cpu:
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -137,7 +123,7 @@ def main():
         "model": {"width": args.width, "hidden": args.hidden, "blocks": args.blocks},
         "batch": args.batch,
         "command": "python " + " ".join(sys.argv),
-        "grappler_memory_optimizer": "off" if args.no_swapping else "default",
+        "grappler_memory_optimizer": "default (host_swapping=True)" if args.host_swapping else "off for the step (kvram's default)",
         "single_device": single,
     }
 
@@ -165,7 +151,8 @@ def main():
     plan = kvram.parallel.balance(layers(), devices, by="memory", sample_batch=x[:8])
     print(plan.report, flush=True)
     report["balance"] = plan.report
-    model = kvram.parallel.PipelineModel(plan.stages, devices, micro_batches=1, checkpoint=args.checkpoint)
+    model = kvram.parallel.PipelineModel(plan.stages, devices, micro_batches=1, checkpoint=args.checkpoint,
+                                         host_swapping=args.host_swapping)
     compile_(model)
     model.build((None, args.width))
     report["parameters"] = model.count_params()
