@@ -266,16 +266,20 @@ class TrainFunction:
             and data is not None
             and _static_shapes(data)
         ):
-            # Each replica's step is compiled, inside `strategy.run`, as Keras
-            # compiles its own (`one_step_on_data`): traced in the replica's own
-            # thread, its graph and every cond branch in it are in XLA context,
-            # so MirroredStrategy on GPUs all-reduces with collectives and no
-            # merge_call, which may not sit in a cond (kvram's skip of a
-            # non-finite step, Keras's LossScaleOptimizer). Compiling around
-            # `strategy.run` left the replicas' cond branches out of that
-            # context: "merge_call called while defining a new graph" on two
-            # H200s (benchmarks/results/distribute_2xh200.json). One trace per
-            # batch shape: XLA needs static slice shapes.
+            # One trace per batch shape: XLA needs static slice shapes.
+            per_replica = getattr(model, "_kvram_xla_per_replica", None)
+            if per_replica is None:
+                per_replica = _local_devices(strategy) > 1
+            if not per_replica:
+                return self._compiled(
+                    ("fused_xla", micro_batch_size), step, jit_compile=True, reduce_retracing=False
+                )
+            # Over several local devices (MirroredStrategy), each replica's step
+            # is compiled inside `strategy.run`, as Keras compiles its own
+            # (`one_step_on_data`): one XLA computation cannot span devices, and
+            # MirroredStrategy then all-reduces with collectives, no merge_call
+            # (see `updated_in_each_replica`). With one local device the whole
+            # step stays one computation.
             replica_step = self._compiled(
                 ("fused_xla_replica", micro_batch_size),
                 model.train_step,
@@ -361,6 +365,14 @@ class TrainFunction:
 
     def _restore(self, saved) -> None:
         self._restore_function(saved)
+
+
+def _local_devices(strategy) -> int:
+    """Devices of this worker's replicas (1 without a strategy)."""
+    try:
+        return len(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy has no worker devices
+        return 1
 
 
 def step_state_variables(model) -> list:

@@ -80,6 +80,12 @@ CONFIGS = {
         "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128,
                    xla_micro_step=False)
     ),
+    # the same with each replica's step compiled inside strategy.run (as under
+    # MirroredStrategy over several local GPUs) instead of one XLA step around it
+    "micro_128_b512_per_replica": (
+        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128,
+                   xla_per_replica=True)
+    ),
     # kvram.speed.pin_host_memory() (pin): the same runs with page-locked host batches
     "kvram_fp16_xla_spe16_pin": (
         "tf", dict(policy="mixed_float16", jit=True, model="kvram", spe=16, pin=True)
@@ -118,6 +124,7 @@ def run_tf(name, settings, args):
     if settings.get("micro"):
         model.micro_batch_size = settings["micro"]
         model._kvram_xla_micro_step = settings.get("xla_micro_step", True)
+        model._kvram_xla_per_replica = settings.get("xla_per_replica")
     if settings.get("prefetch"):
         data = data.apply(tf.data.experimental.prefetch_to_device("/" + device, buffer_size=2))
     timed = timed_fit(model, data, args.steps, args.warmup, [device])
