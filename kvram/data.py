@@ -482,6 +482,15 @@ class _Shard:
         return self._arrays
 
 
+def _epoch_seeds(seed, repeat: bool):
+    """A dataset of one random seed per epoch (one epoch unless `repeat`): a new
+    draw every iteration over it, the same sequence for the same `seed`."""
+    import tensorflow as tf
+
+    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+    return seeds if repeat else seeds.take(1)
+
+
 class ShardedDataset:
     """A shard directory written by `write_shards`, validated at open time.
 
@@ -900,10 +909,7 @@ class ShardedDataset:
             return out[0] if len(out) == 1 else tuple(out)
 
         if shuffle:
-            seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
-            if not repeat:
-                seeds = seeds.take(1)
-            dataset = seeds.flat_map(
+            dataset = _epoch_seeds(seed, repeat).flat_map(
                 lambda s: tf.data.Dataset.range(batches).map(lambda i: (s, i))
             )
         else:
@@ -1062,9 +1068,7 @@ class ShardedDataset:
             return out[0] if len(out) == 1 else tuple(out)
 
         if shuffle:
-            seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
-            if not repeat:
-                seeds = seeds.take(1)
+            seeds = _epoch_seeds(seed, repeat)
         else:
             seeds = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64))
             if repeat:
