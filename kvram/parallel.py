@@ -184,7 +184,7 @@ class PipelineModel(Model):
             return function
 
         def train_function(iterator):
-            with without_host_swapping():
+            with _without_host_swapping():
                 return function(iterator)
 
         train_function._kvram_without_host_swapping = True
@@ -306,7 +306,7 @@ class PipelineModel(Model):
 
 
 @contextlib.contextmanager
-def without_host_swapping():
+def _without_host_swapping():
     """Within, `tf.function`s called (and traced) on this thread are optimized
     with Grappler's memory optimizer off (`memory_optimization=NO_MEM_OPT`),
     so it cannot move activations to host memory and back. TensorFlow has no
