@@ -5,7 +5,10 @@
 2. `mirrored`: `tf.distribute.MirroredStrategy` over every visible GPU, global batch
    `--batch` x GPUs;
 3. `mwms`: two `MultiWorkerMirroredStrategy` workers (NCCL), one GPU each, started by
-   `kvram launch --workers 2`, the same global batch; worker 0's timing is kept.
+   `kvram launch --workers 2`, the same global batch; worker 0's timing is kept;
+4. `keras_mirrored` (not by default): plain Keras `keras.applications.ResNet50`, no
+   checkpointing, under MirroredStrategy with XLA: does Keras train there at all
+   (keras-team/keras#17187)?
 
 Each configuration runs in its own process(es), one after the other, and the file is
 written after each, so a run stopped early keeps what finished. img/s counts every
@@ -43,7 +46,7 @@ def child(args):
                           else tf.distribute.experimental.CommunicationImplementation.NCCL)
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
-    elif args.cpu and args.config == "mirrored":
+    elif args.cpu and args.config in ("mirrored", "keras_mirrored"):
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras
@@ -56,7 +59,7 @@ def child(args):
     if args.config == "single":
         strategy = tf.distribute.get_strategy()
         replicas = 1
-    elif args.config == "mirrored":
+    elif args.config in ("mirrored", "keras_mirrored"):
         strategy = tf.distribute.MirroredStrategy(devices)
         replicas = strategy.num_replicas_in_sync
     else:
@@ -65,7 +68,10 @@ def child(args):
     shape = (args.image_size, args.image_size, 3)
     started = time.perf_counter()
     with strategy.scope():
-        model = resnet50(shape, checkpoint=True)
+        if args.config == "keras_mirrored":  # plain Keras, for keras-team/keras#17187
+            model = keras.applications.ResNet50(weights=None, input_shape=shape)
+        else:
+            model = resnet50(shape, checkpoint=True)
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss="sparse_categorical_crossentropy", jit_compile=args.jit or not args.cpu)
     batch = args.batch * replicas  # the global batch: each replica gets args.batch
@@ -76,7 +82,7 @@ def child(args):
     # into one part per replica (DATA: worker i takes the i-th part).
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     data = tf.data.Dataset.from_tensors((x, y)).repeat().with_options(options)
-    local = [f"{kind}:{i}" for i in range(replicas if args.config == "mirrored" else 1)]
+    local = [f"{kind}:{i}" for i in range(replicas if args.config != "mwms" else 1)]
     timed = timed_fit(model, data, args.steps, args.warmup, local)
     result = {
         "config": args.config,
