@@ -49,6 +49,12 @@ def child(args):
     elif args.cpu and args.config in ("mirrored", "keras_mirrored"):
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    elif args.logical and args.config in ("mirrored", "keras_mirrored"):
+        # two logical GPUs on the first GPU: the strategy's code paths (XLA's
+        # collectives included) on one chip; the speed means nothing
+        gpu = tf.config.list_physical_devices("GPU")[0]
+        half = tf.config.LogicalDeviceConfiguration(memory_limit=int(args.logical * 1024))
+        tf.config.set_logical_device_configuration(gpu, [half, half])
     import keras
 
     import kvram
@@ -72,6 +78,7 @@ def child(args):
             model = keras.applications.ResNet50(weights=None, input_shape=shape)
         else:
             model = resnet50(shape, checkpoint=True)
+            model.micro_batch_size = args.micro_batch_size
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss="sparse_categorical_crossentropy", jit_compile=args.jit or not args.cpu)
     batch = args.batch * replicas  # the global batch: each replica gets args.batch
@@ -111,6 +118,11 @@ def main():
     parser.add_argument("--seconds-each", type=int, default=600, help="time limit of each configuration")
     parser.add_argument("--cpu", action="store_true", help="logical CPUs instead of GPUs (smoke run)")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True on the CPU too")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="kvram's micro_batch_size (its own fused step) for the kvram configurations")
+    parser.add_argument("--logical", type=float, default=0, metavar="GIB",
+                        help="MirroredStrategy over two logical GPUs of GIB each on the first GPU "
+                             "(does it train; not a speed)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
