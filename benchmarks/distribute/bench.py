@@ -122,7 +122,9 @@ def main():
                         help="kvram's micro_batch_size (its own fused step) for the kvram configurations")
     parser.add_argument("--logical", type=float, default=0, metavar="GIB",
                         help="MirroredStrategy over two logical GPUs of GIB each on the first GPU "
-                             "(does it train; not a speed)")
+                             "(does it train; not a speed). Under XLA it did not, for kvram or plain "
+                             "Keras (session 27): replica 1's compiled step ran on GPU:0 and could "
+                             "not read its variables on GPU:1, as on logical CPUs")
     parser.add_argument("--out", default=None)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
