@@ -7,8 +7,8 @@
 3. `mwms`: two `MultiWorkerMirroredStrategy` workers (NCCL), one GPU each, started by
    `kvram launch --workers 2`, the same global batch; worker 0's timing is kept;
 4. `keras_mirrored` (not by default): plain Keras `keras.applications.ResNet50`, no
-   checkpointing, under MirroredStrategy with XLA: does Keras train there at all
-   (keras-team/keras#17187)?
+   checkpointing, under MirroredStrategy with XLA, as a baseline (with mixed_bfloat16
+   there is no LossScaleOptimizer, whose cond fails there: keras-team/keras#17187).
 
 Each configuration runs in its own process(es), one after the other, and the file is
 written after each, so a run stopped early keeps what finished. img/s counts every
