@@ -256,10 +256,13 @@ class TrainFunction:
         model = self.model
         strategy = model.distribute_strategy
 
-        def step(data):
-            logs = strategy.run(model.train_step, args=(data,))
-            return reduce_logs(logs, strategy)
+        def on_replicas(replica_step):
+            def step(data):
+                return reduce_logs(strategy.run(replica_step, args=(data,)), strategy)
 
+            return step
+
+        step = on_replicas(model.train_step)
         if (
             model.jit_compile
             and getattr(model, "_kvram_xla_micro_step", True)
@@ -286,12 +289,9 @@ class TrainFunction:
                 jit_compile=True,
                 reduce_retracing=False,
             )
-
-            def xla_step(data):
-                logs = strategy.run(replica_step, args=(data,))
-                return reduce_logs(logs, strategy)
-
-            return self._compiled(("fused_xla", micro_batch_size), xla_step, reduce_retracing=False)
+            return self._compiled(
+                ("fused_xla", micro_batch_size), on_replicas(replica_step), reduce_retracing=False
+            )
         return self._compiled(("fused", micro_batch_size), step)
 
     def _replica_gradients(self, data, micro_batch_size):

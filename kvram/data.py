@@ -980,15 +980,24 @@ class ShardedDataset:
                       drop_remainder, num_parallel_reads):
         import tensorflow as tf
 
-        total_blocks = np.stack([self._starts[:-1], self._starts[1:]], axis=1)
+        shard_blocks = np.stack([self._starts[:-1], self._starts[1:]], axis=1)
+        # Pieces unrolled in the graph: in order, as many as a batch has at most
+        # (the plan, computed once, is every epoch's); shuffled, those of a batch
+        # of whole blocks, plus one, at most 32 (a loop reads a batch of more).
+        if shuffle:
+            slots = min(-(-batch_size // block) + 1, 32)
+        else:
+            in_order = self._pieces(shard_blocks, batch_size, batches)
+            slots = in_order[0].shape[1]
+        verify = self._verifier is not None and not all(self._verifier._done)
 
         def plan(epoch_seed):
             # Python once an epoch: the order of the blocks and where each batch's rows lie.
-            blocks = self._epoch_plan(block, int(epoch_seed))[0] if shuffle else total_blocks
+            blocks = self._epoch_plan(block, int(epoch_seed))[0] if shuffle else shard_blocks
             checked = self._verifier is None or all(self._verifier._done)
             if not checked:
                 self._start_verification(blocks[:, 0])
-            table, counts = self._pieces(blocks, batch_size, batches, slots)
+            table, counts = self._pieces(blocks, batch_size, batches, slots) if shuffle else in_order
             return table, counts, np.full(batches, checked)
 
         def ensure(shards):
@@ -1004,16 +1013,6 @@ class ShardedDataset:
             counts.set_shape((batches,))
             checked.set_shape((batches,))
             return tf.data.Dataset.from_tensor_slices((table, counts, checked))
-
-        # Pieces unrolled in the graph: in order, as many as a batch has at most
-        # (the plan is the same every epoch); shuffled, those of a batch of whole
-        # blocks, plus one, at most 32 (a loop reads a batch of more).
-        fixed = not shuffle
-        if fixed:
-            slots = int(self._pieces(total_blocks, batch_size, batches)[1].max())
-        else:
-            slots = min(-(-batch_size // block) + 1, 32)
-        verify = self._verifier is not None and not all(self._verifier._done)
 
         def assemble(pieces, count, checked):
             ready = []
@@ -1055,7 +1054,7 @@ class ShardedDataset:
                     # usual most: short blocks at the ends of shards).
                     if slots == 1:  # every batch lies in one shard
                         tensor = piece(0)
-                    elif fixed:  # no batch has more than `slots` pieces
+                    elif not shuffle:  # no batch has more than `slots` pieces
                         tensor = tf.cond(tf.equal(count, 1), lambda piece=piece: piece(0), unrolled)
                     else:
                         tensor = tf.case(
