@@ -104,6 +104,7 @@ class Checkpoint(keras.layers.Layer):
         state = list(self.layer.non_trainable_variables)
         snapshot = [tf.identity(v.value) for v in state]
         n_in = len(tensor_positions)
+        carries_logits = []
 
         def forward(*tensors):
             # Restore the wrapped layer's non-trainable state (seed generators,
@@ -115,10 +116,27 @@ class Checkpoint(keras.layers.Layer):
             call_args = list(flat_args)
             for position, tensor in zip(tensor_positions, tensors[:n_in]):
                 call_args[position] = tensor
-            return self.layer(*tree.pack_sequence_as(args, call_args), **kwargs)
+            outputs = self.layer(*tree.pack_sequence_as(args, call_args), **kwargs)
+            logits = getattr(outputs, "_keras_logits", None) if tf.is_tensor(outputs) else None
+            if logits is None:
+                return outputs
+            carries_logits.append(True)
+            # Logits first: the recomputation waits for the gradient of the
+            # first output, and the loss reads the logits.
+            return logits, outputs
 
         inputs = [flat_args[i] for i in tensor_positions]
-        return tf.recompute_grad(forward)(*inputs, *snapshot)
+        outputs = tf.recompute_grad(forward)(*inputs, *snapshot)
+        if carries_logits:
+            # Keras's softmax and sigmoid hang their logits on their output
+            # (`_keras_logits`, graph tensors only), and its cross-entropies
+            # then compute from the logits, unclipped. Carried out of the
+            # recomputed function, so that a checkpointed classifier trains on
+            # the same loss as the plain one (the probabilities' form clips at
+            # epsilon: where a probability saturates its gradient differs).
+            logits, outputs = outputs
+            outputs._keras_logits = logits
+        return outputs
 
     def compute_output_shape(self, *args, **kwargs):
         return self.layer.compute_output_shape(*args, **kwargs)
