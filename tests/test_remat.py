@@ -224,7 +224,8 @@ def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family, request):
         if abs(chosen.predicted_peak_bytes - measured) > 0.15 * measured:
             misses.append(f"{lines[-1].strip()}: predicted off by more than 15%")
         if budget is None:
-            if measured > 0.5 * plain:  # EfficientNetB0 measured 0.43-0.52x in clean-clone runs
+            if measured > 0.5 * plain:  # EfficientNetB0: 0.43-0.57x in clean-clone runs; 0.43x since
+                # the least-memory candidates are checked (two runs on their own)
                 misses.append(f"{lines[-1].strip()}: more than 0.5x plain ({plain / 2**20:.1f} MiB)")
             # the planned model computes the same outputs and gradients (dropout included)
             state = [tf.identity(v) for v in model.variables]
@@ -242,8 +243,13 @@ def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family, request):
     if misses:
         # Issue 12's bars, reported with the numbers if a run misses one:
         # TensorFlow's CPU graph executor orders independent ops differently
-        # from step to step, and a step's peak moves with it (the plan's check
-        # takes the highest of three runs; this measurement is another three).
+        # from step to step and, more, from trace to trace of the same step, and
+        # a step's peak moves with it (the plan's check traces the step and takes
+        # the highest of three runs; this measurement is another trace and three
+        # runs). MobileNetV3Small, its square-root split, one inter-op thread:
+        # the runs of one trace repeat their peak to 0.1 MiB, traces range over
+        # 43.7-56.2 MiB; with Grappler's dependency optimizer off as well, 36.3-36.6
+        # (off with the default threads: 37.2-39.7). Not adopted (stop 27's note).
         pytest.xfail("; ".join(misses))
 
 
@@ -293,6 +299,73 @@ def test_planned_model_saves_and_loads_as_keras_file(tmp_path):
     ) == 0
     history = loaded.fit(x, y, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
+
+
+def _synthetic_plan_inputs(n=9):
+    """A chain of n Dense segments and a made-up profile of it (MiB-sized)."""
+    inputs = keras.Input((4,))
+    h = inputs
+    for i in range(n):
+        h = keras.layers.Dense(4, name=f"d{i}")(h)
+    model = keras.Model(inputs, h)
+    chain = remat._chain(model)
+    assert len(chain) == n
+    mib = 2**20
+    kept = tuple(k * mib for k in ((5, 40, 10) * n)[:n])
+    need = tuple(sum(kept[: i + 1]) + mib for i in range(n))
+    profile = remat._Profile(
+        kept=kept, need=need, recompute=tuple(sum(kept[:i]) for i in range(n)),
+        transient=(0,) * n, head=need[-1], output=(mib,) * n, input=mib,
+        flops=((3000, 100, 100) * n)[:n],
+    )
+    return model, chain, profile
+
+
+def test_least_memory_plan_is_the_candidate_checked_lowest():
+    model, chain, profile = _synthetic_plan_inputs()
+    candidates = remat._least_candidates(profile)
+    first, sqrt = candidates[0], remat._sqrt_runs(len(chain))
+    assert first == tuple(remat._choose(profile, remat._minimum(profile)))
+    assert sqrt == ((0, 2), (3, 5), (6, 8)) and sqrt in candidates
+    recomputed = {r: remat._recomputed(profile, r) for r in candidates}
+    assert recomputed[sqrt] == max(recomputed.values()) > recomputed[first]  # every segment
+
+    def plan_with(peaks):
+        def check(runs):
+            return peaks.get(tuple(runs), 100 * 2**20)
+        return remat._plan_for(model, chain, profile, 0, None, 8, check)
+
+    # the square-root split checks lowest: it is the least-memory plan
+    peaks = {(): 100 * 2**20, first: 60 * 2**20, sqrt: 50 * 2**20}
+    chosen = plan_with(peaks)
+    assert chosen.runs == sqrt and chosen.minimum_peak_bytes == chosen.predicted_peak_bytes == 50 * 2**20
+    # a budget under the programme's choice but over another candidate is met
+    budgeted = remat._plan_for(model, chain, profile, 0, 55 * 2**20, 8, lambda r: peaks.get(tuple(r), 100 * 2**20))
+    assert budgeted.runs == sqrt and budgeted.minimum_peak_bytes == 50 * 2**20
+    assert chosen.with_budget(55 * 2**20).runs == sqrt
+    # within 2% of the lowest, the least recomputation wins
+    peaks[sqrt] = int(59.5 * 2**20)
+    assert plan_with(peaks).runs == first
+
+
+def test_a_budget_no_choice_reaches_falls_back_to_the_cheapest_fitting_candidate():
+    model, chain, profile = _synthetic_plan_inputs()
+    candidates = remat._least_candidates(profile)
+    sqrt = remat._sqrt_runs(len(chain))
+    assert len({remat._recomputed(profile, r) for r in candidates}) >= 3, candidates
+    mib = 2**20
+    # every choice the budget search tries checks over; the candidates fit,
+    # the square-root split (the most recomputation) lowest
+    peaks = {(): 100 * mib, sqrt: 40 * mib, **{r: 45 * mib for r in candidates if r != sqrt}}
+
+    def check(runs):
+        return peaks.get(tuple(runs), 99 * mib)
+
+    chosen = remat._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
+    fitting = [r for r in candidates if peaks[r] <= 50 * mib]
+    cheapest = min(fitting, key=lambda r: remat._recomputed(profile, r))
+    assert chosen.runs == cheapest != sqrt
+    assert chosen.predicted_peak_bytes == 45 * mib
 
 
 def test_plan_budget_below_the_least_says_the_least():
