@@ -383,8 +383,10 @@ def step_state_variables(model) -> list:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         variables += list(optimizer.variables)
+    # A Keras variable's `value` is its tf.Variable; kvram's counters are
+    # tf.Variables already (whose `value` is a method).
     return [
-        v for v in (getattr(v, "value", v) for v in variables)
+        v for v in (v.value if isinstance(v, keras.Variable) else v for v in variables)
         if isinstance(v, tf.distribute.DistributedValues)
     ]
 

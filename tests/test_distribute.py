@@ -258,6 +258,9 @@ def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_
     assert "CollectiveReduceV2" in ops, sorted(ops)  # all-reduced without merge_call
     held = _train_function.step_state_variables(model)
     assert any(v is model.optimizer.iterations.value for v in held)
+    # kvram's counters are tf.Variables (their `value` is a method): held too.
+    # Missed, their update took a merge_call on two H200s (session 28)
+    assert all(any(v is c for v in held) for c in model._kvram_counters())
     # the aggregation is only changed while tracing
     assert all(
         v.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
