@@ -335,10 +335,14 @@ class Model(keras.Model):
 
     def make_train_function(self, force=False):
         strategy = getattr(self, "_distribute_strategy", None)
-        # Keras's own step fails over several workers (its logs' reduction):
-        # kvram's step, whose reduction works there, runs instead
+        # Keras's own step fails over several workers (its logs' reduction),
+        # and under XLA over several local devices (one XLA computation around
+        # `strategy.run`, placed on the first GPU, cannot read the other
+        # replicas' variables: two H200s, benchmarks/results/distribute_2xh200_keras_step.json):
+        # kvram's step, which compiles each replica's step there, runs instead
         if self._micro_batch_size is None and self._batch_controller is None and not (
             _train_function.multi_worker(strategy)
+            or (self.jit_compile and strategy is not None and _train_function._local_devices(strategy) > 1)
         ):
             if isinstance(self.train_function, _train_function.TrainFunction):
                 force = True

@@ -214,11 +214,11 @@ def test_static_shapes_reads_distributed_batches(mirrored):
 
 
 @pytest.mark.parametrize(
-    "micro_batch_size, loss_scale",
-    [(None, False), (4, False), (None, True)],
-    ids=["keras_step", "kvram_step", "loss_scale"],
+    "micro_batch_size, loss_scale, keras_step",
+    [(None, False, True), (4, False, False), (None, True, True), (None, False, False)],
+    ids=["keras_step", "kvram_step", "loss_scale", "kvram_whole_batch"],
 )
-def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_size, loss_scale):
+def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_size, loss_scale, keras_step):
     """On GPUs under `jit_compile`, MirroredStrategy compiles each replica's step
     as its own XLA function and takes no merge_call in it. Tracing that step
     failed on two H200s (benchmarks/results/distribute_2xh200.json) with "merge_call
@@ -247,11 +247,15 @@ def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_
     batch = next(iter(mirrored.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     )))
-    if micro_batch_size is None:  # Keras's own step, as its trainer builds it
+    if keras_step:  # Keras's own step, compiled per replica
         replica_step = tf.function(model.train_step, jit_compile=True)
         step = tf.function(lambda data: mirrored.run(replica_step, args=(data,)))
     else:
+        # Under XLA over several local devices kvram's step runs, micro-batched
+        # or not: Keras's compiles strategy.run whole, which XLA places on one
+        # GPU (two H200s, benchmarks/results/distribute_2xh200_keras_step.json)
         model.make_train_function(force=True)
+        assert isinstance(model.train_function, _train_function.TrainFunction)
         step = model.train_function._fused(micro_batch_size, batch)
     graph = step.get_concrete_function(batch).graph
     ops = {op.type for f in graph._functions.values() for op in f.graph.get_operations()}
