@@ -871,8 +871,8 @@ def _least_runs(profile, check, candidates):
     least recomputation among those within `_LEAST_TIE` of it). The
     prediction errs most here, where most is recomputed (EfficientNetB0 on
     the CPU: the programme's choice checked at 0.40-0.55x of plain from run
-    to run, predicted up to 20% under), so which candidate is lowest changes
-    with the model and the run."""
+    to run, its prediction 17-18% under its check in two runs), so which
+    candidate is lowest changes with the model and the run."""
     if check is None:
         return candidates[0]
     # an _OutOfMemory (a lower bound) ranks after every measured peak
