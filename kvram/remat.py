@@ -849,11 +849,11 @@ def _sqrt_runs(n):
     return tuple((i, min(i + k, n) - 1) for i in range(0, n, k))
 
 
-def _least_candidates(profile, every=True):
+def _least_candidates(profile, low, every=True):
     """Choices that may reach the least peak: the programme's at its least
-    predicted peak, and (`every`) its choices at `_LEAST_SLACK` times that
-    and the square-root split (distinct, in that order)."""
-    low = _minimum(profile)
+    predicted peak `low` (`_minimum`), and (`every`) its choices at
+    `_LEAST_SLACK` times that and the square-root split (distinct, in that
+    order)."""
     candidates = [tuple(_choose(profile, low))]
     if not every:
         return candidates
@@ -866,15 +866,12 @@ def _least_candidates(profile, every=True):
 
 
 def _least_runs(profile, check, candidates):
-    """The least-memory runs. Unchecked: the programme's choice at the least
-    predicted peak. Checked: the candidate with the lowest checked peak (the
+    """The least-memory runs: the candidate with the lowest checked peak (the
     least recomputation among those within `_LEAST_TIE` of it). The
     prediction errs most here, where most is recomputed (EfficientNetB0 on
     the CPU: the programme's choice checked at 0.40-0.55x of plain from run
     to run, its prediction 17-18% under its check in two runs), so which
     candidate is lowest changes with the model and the run."""
-    if check is None:
-        return candidates[0]
     # an _OutOfMemory (a lower bound) ranks after every measured peak
     peak = {runs: (isinstance(check(runs), _OutOfMemory), int(check(runs))) for runs in candidates}
     best = min(peak.values())
@@ -890,7 +887,8 @@ def _recomputed(profile, runs) -> int:
 
 
 def _plan_for(model, chain, profile, resident, budget_bytes, batch, check=None, least_runs=None) -> Plan:
-    candidates = _least_candidates(profile, every=check is not None)
+    low = _minimum(profile)
+    candidates = _least_candidates(profile, low, every=check is not None)
     searched = least_runs is not None
     if least_runs is None:
         least_runs, searched = candidates[0], check is None
@@ -899,7 +897,7 @@ def _plan_for(model, chain, profile, resident, budget_bytes, batch, check=None, 
         if check is not None and (budget_bytes is None or check(least_runs) > budget_bytes - resident):
             least_runs, searched = _least_runs(profile, check, candidates), True
     if check is None:
-        plain, least = _predict(profile, []), _minimum(profile)
+        plain, least = _predict(profile, []), low
         peak_of = lambda runs: _predict(profile, list(runs))  # noqa: E731
     else:
         plain, least = check(()), check(least_runs)
@@ -925,7 +923,7 @@ def _plan_for(model, chain, profile, resident, budget_bytes, batch, check=None, 
         if check is None:
             runs = tuple(_choose(profile, budget_bytes - resident))
         else:
-            runs = _fit_checked(profile, check, budget_bytes - resident, plain, least, least_runs, candidates)
+            runs = _fit_checked(profile, check, budget_bytes - resident, plain, least, least_runs, candidates, low)
     total = sum(profile.flops)
     return Plan(
         model=model,
@@ -946,7 +944,7 @@ def _plan_for(model, chain, profile, resident, budget_bytes, batch, check=None, 
     )
 
 
-def _fit_checked(profile, check, target, plain, least, least_runs, candidates):
+def _fit_checked(profile, check, target, plain, least, least_runs, candidates, low):
     """The runs with the least recomputation found whose checked peak is
     within `target`. The executor's prediction and XLA's measurement are
     mapped onto each other linearly between the plain step and the
@@ -957,7 +955,7 @@ def _fit_checked(profile, check, target, plain, least, least_runs, candidates):
     least-memory runs are one: `target` >= their checked peak)."""
     if plain <= target and not isinstance(plain, _OutOfMemory):
         return ()
-    low, high = _minimum(profile), _predict(profile, [])
+    high = _predict(profile, [])
     if isinstance(plain, _OutOfMemory):
         # Its peak is unknown beyond the floor: the prediction's, scaled as the
         # least-memory step's measured peak is to its prediction.

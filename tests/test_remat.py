@@ -323,7 +323,7 @@ def _synthetic_plan_inputs(n=9):
 
 def test_least_memory_plan_is_the_candidate_checked_lowest():
     model, chain, profile = _synthetic_plan_inputs()
-    candidates = remat._least_candidates(profile)
+    candidates = remat._least_candidates(profile, remat._minimum(profile))
     first, sqrt = candidates[0], remat._sqrt_runs(len(chain))
     assert first == tuple(remat._choose(profile, remat._minimum(profile)))
     assert sqrt == ((0, 2), (3, 5), (6, 8)) and sqrt in candidates
@@ -350,7 +350,7 @@ def test_least_memory_plan_is_the_candidate_checked_lowest():
 
 def test_a_budget_no_choice_reaches_falls_back_to_the_cheapest_fitting_candidate():
     model, chain, profile = _synthetic_plan_inputs()
-    candidates = remat._least_candidates(profile)
+    candidates = remat._least_candidates(profile, remat._minimum(profile))
     sqrt = remat._sqrt_runs(len(chain))
     assert len({remat._recomputed(profile, r) for r in candidates}) >= 3, candidates
     mib = 2**20
