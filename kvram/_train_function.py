@@ -406,10 +406,11 @@ def updated_in_each_replica(variables):
     Works around keras-team/keras#17187 (open): under MirroredStrategy with
     `jit_compile=True` on GPUs each replica's step is its own XLA function, and
     TensorFlow updates an ONLY_FIRST_REPLICA variable in replica context by a
-    `merge_call`, which may not happen there inside a `cond` branch ("merge_call
-    called while defining a new graph or a tf.function", from the optimizer's
-    `iterations.assign_add(1)` in kvram's skip of a non-finite step, or in
-    Keras's LossScaleOptimizer's own cond). The aggregation is read while the step is
+    `merge_call`, which may not happen there ("merge_call called while
+    defining a new graph or a tf.function": on two H200s at kvram's own
+    counters, at the top of the step; traced on logical CPUs, inside a `cond`:
+    the optimizer's `iterations.assign_add(1)` in kvram's skip of a non-finite
+    step, or in Keras's LossScaleOptimizer's own cond). The aggregation is read while the step is
     traced and restored after the last replica's trace leaves (a count per
     variable: replicas trace in threads)."""
     with _aggregation_lock:

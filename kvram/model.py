@@ -534,7 +534,7 @@ class Model(keras.Model):
                 gradients = self._clip_across_replicas(context, gradients)
         if replicated and tf.__internal__.distribute.strategy_supports_no_merge_call():
             # Each replica's step is XLA-compiled (MirroredStrategy on GPUs):
-            # a merge_call in the cond below is refused there (keras-team/keras#17187).
+            # a merge_call is refused there (keras-team/keras#17187).
             with _train_function.updated_in_each_replica(
                 _train_function.step_state_variables(self)
             ):
