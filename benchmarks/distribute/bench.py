@@ -42,8 +42,8 @@ def child(args):
 
     if args.config == "mwms":
         # before anything starts TensorFlow's context: collectives are configured then
-        implementation = (tf.distribute.experimental.CommunicationImplementation.AUTO if args.cpu
-                          else tf.distribute.experimental.CommunicationImplementation.NCCL)
+        implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
+                                 args.mwms_communication or ("AUTO" if args.cpu else "NCCL"))
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
     elif args.cpu and args.config in ("mirrored", "keras_mirrored"):
@@ -89,6 +89,15 @@ def child(args):
     # into one part per replica (DATA: worker i takes the i-th part).
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     data = tf.data.Dataset.from_tensors((x, y)).repeat().with_options(options)
+    if args.input == "per-replica" and args.config != "single":
+        # Each replica's own batch from its own dataset (no split of the global
+        # batch on the host): the input's share of the step, measured apart.
+        per = args.batch
+
+        def replica_data(context):
+            return tf.data.Dataset.from_tensors((x[:per], y[:per])).repeat()
+
+        data = strategy.distribute_datasets_from_function(replica_data)
     local = [f"{kind}:{i}" for i in range(replicas if args.config != "mwms" else 1)]
     timed = timed_fit(model, data, args.steps, args.warmup, local)
     result = {
@@ -125,6 +134,13 @@ def main():
                              "(does it train; not a speed). Under XLA it did not, for kvram or plain "
                              "Keras (session 27): replica 1's compiled step ran on GPU:0 and could "
                              "not read its variables on GPU:1, as on logical CPUs")
+    parser.add_argument("--input", choices=("global", "per-replica"), default="global",
+                        help="global: one dataset of global batches, split by the strategy on the "
+                             "host; per-replica: each replica's batch from its own dataset "
+                             "(distribute_datasets_from_function)")
+    parser.add_argument("--mwms-communication", choices=("AUTO", "NCCL", "RING"), default=None,
+                        help="the MWMS workers' collectives outside XLA (default NCCL on GPUs); "
+                             "XLA's own all-reduce inside the step always uses NCCL")
     parser.add_argument("--out", default=None)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -138,6 +154,7 @@ def main():
         "versions": versions(),
         "command": "python " + " ".join(["benchmarks/distribute/bench.py"] + sys.argv[1:]),
         "batch_per_replica": args.batch,
+        "input": args.input,
         "image_size": args.image_size,
         "model": "models.resnet50.resnet50(checkpoint=True), mixed_bfloat16, SGD(0.01, momentum=0.9), "
                  + ("no XLA (CPU)" if args.cpu else "jit_compile=True"),
