@@ -87,6 +87,17 @@ class PipelineModel(Model):
             step, 7% slower, where the step fit without (one H200 split in two
             28 GiB halves, `benchmarks/README.md`, pipeline). Use
             `checkpoint=True` to save activation memory instead.
+        defer_weight_gradients: compute each `keras.layers.Dense` kernel's
+            gradient once per step over all slices (one matrix product over the
+            whole batch) after the slices' backward passes, instead of once per
+            slice and summed (Zero Bubble's split of the backward into input
+            gradients, B, and weight gradients, W: Qi et al. 2023). Each slice's
+            backward then computes only the input gradient the previous stage
+            waits for, and no per-slice weight gradient is written and added.
+            The Dense layers' inputs and output gradients of every slice are
+            kept until then. Default True; Dense layers inside a `Checkpoint`,
+            with LoRA or quantized, or of a subclass with its own `call`, keep
+            the per-slice gradient.
         **kwargs: `kvram.Model` arguments (`clip_global_norm`, `skip_nonfinite`,
             `name`). `micro_batch_size` and `accumulation_steps` do not apply.
 
@@ -103,7 +114,7 @@ class PipelineModel(Model):
         return keras.Model.__new__(cls)
 
     def __init__(self, stages, devices, micro_batches: int = 8, checkpoint: bool = False,
-                 host_swapping: bool = False, **kwargs):
+                 host_swapping: bool = False, defer_weight_gradients: bool = True, **kwargs):
         if kwargs.get("micro_batch_size") is not None or kwargs.get("accumulation_steps", 1) != 1:
             raise ValueError(
                 "PipelineModel slices batches itself (micro_batches); micro_batch_size and "
@@ -133,6 +144,7 @@ class PipelineModel(Model):
         self.micro_batches = _checks.positive_int("micro_batches", micro_batches)
         self.checkpoint = _checks.boolean("checkpoint", checkpoint)
         self.host_swapping = _checks.boolean("host_swapping", host_swapping)
+        self.defer_weight_gradients = _checks.boolean("defer_weight_gradients", defer_weight_gradients)
         super().__init__(**kwargs)
         if checkpoint:
             from kvram.layers import Checkpoint
@@ -213,13 +225,41 @@ class PipelineModel(Model):
         sums: list[list] = [[None] * len(vs) for vs in stage_vars]
         last = self.device_names[-1]
 
-        def cut(t, start, size):
-            return None if t is None else t[start : start + size]
+        deferred = _DeferredKernels(self.stages if self.defer_weight_gradients else [])
+        with deferred.deferring():
+            records = self._forward(x, y, sample_weight, starts, sizes, total)
+        sums = self._backward(records, stage_vars, all_vars, sums)
+        for k, device in enumerate(self.device_names):
+            with tf.name_scope(f"stage{k}_weight_gradients"), tf.device(device):
+                for variable, gradient in deferred.gradients(k):
+                    j = next(j for j, v in enumerate(stage_vars[k]) if v is variable)
+                    sums[k][j] = gradient if sums[k][j] is None else sums[k][j] + gradient
+        gradients_by_id = {
+            id(v): g for vs, gs in zip(stage_vars, sums) for v, g in zip(vs, gs)
+        }
+        trainable = self.trainable_weights
+        gradients = [gradients_by_id.get(id(v)) for v in trainable]
+        if trainable:
+            finite = all_finite(gradients)
+            # The batch is checked where its parts are used: x by the first
+            # stage, y and the weights by the loss on the last.
+            with tf.device(self.device_names[0]):
+                bad_x = bad_inputs(finite, x)
+            with tf.device(last):
+                bad_y = bad_inputs(finite, (y, sample_weight))
+            self._apply_gradients(
+                gradients, trainable, finite=finite, bad_inputs=tf.logical_or(bad_x, bad_y)
+            )
+        return self._kvram_logs(self.get_metrics_result())
 
-        # Forward: every slice through every stage, each stage on its device.
+    def _forward(self, x, y, sample_weight, starts, sizes, total):
+        """Every slice through every stage, each stage on its device: per
+        slice, the stages' (tape, input, output), the loss's tape, loss and
+        input."""
+        m, last = self.micro_batches, self.device_names[-1]
         records = []
         for i in range(m):
-            xs, ys, sws = tree.map_structure(lambda t: cut(t, starts[i], sizes[i]), (x, y, sample_weight))
+            xs, ys, sws = tree.map_structure(lambda t: _cut(t, starts[i], sizes[i]), (x, y, sample_weight))
             h, tapes = xs, []
             for k, (stage, device) in enumerate(zip(self.stages, self.device_names)):
                 with tf.name_scope(f"stage{k}_forward_mb{i}"), tf.device(device):
@@ -240,7 +280,12 @@ class PipelineModel(Model):
                     loss = loss * tf.cast(tf.cast(sizes[i], tf.float32) / total, loss.dtype)
                 self.compute_metrics(xs, ys, h, sample_weight=sws)
             records.append((tapes, loss_tape, loss, h))
+        return records
 
+    def _backward(self, records, stage_vars, all_vars, sums):
+        """Each stage's gradients summed over the slices (`sums`, per stage,
+        per variable; None where none reached it)."""
+        last = self.device_names[-1]
         # Backward: slice by slice, last stage first, each stage under its device.
         # A stage starts a slice's backward only once it has added the previous
         # slice's gradients to its sums, so one slice's weight gradients are
@@ -253,8 +298,11 @@ class PipelineModel(Model):
             for k in reversed(range(len(self.stages))):
                 tape, h, stage_out = tapes[k]
                 with tf.name_scope(f"stage{k}_backward_mb{i}"), tf.device(self.device_names[k]):
+                    # (the first stage's input gradient is needed by nothing)
+                    sources = ([h] if k else []) + stage_vars[k]
                     with tf.control_dependencies(done[k]):
-                        local = tape.gradient(stage_out, [h] + stage_vars[k], output_gradients=dy)
+                        local = tape.gradient(stage_out, sources, output_gradients=dy)
+                    local = local if k else [None] + local
                     for j, (v, g) in enumerate(zip(stage_vars[k], local[1:])):
                         extra_g = direct.get(id(v))
                         if extra_g is not None:
@@ -264,23 +312,7 @@ class PipelineModel(Model):
                             sums[k][j] = g if sums[k][j] is None else sums[k][j] + g
                     done[k] = [t for t in sums[k] if t is not None]
                 dy = local[0]
-        gradients_by_id = {
-            id(v): g for vs, gs in zip(stage_vars, sums) for v, g in zip(vs, gs)
-        }
-        trainable = self.trainable_weights
-        gradients = [gradients_by_id.get(id(v)) for v in trainable]
-        if trainable:
-            finite = all_finite(gradients)
-            # The batch is checked where its parts are used: x by the first
-            # stage, y and the weights by the loss on the last.
-            with tf.device(self.device_names[0]):
-                bad_x = bad_inputs(finite, x)
-            with tf.device(last):
-                bad_y = bad_inputs(finite, (y, sample_weight))
-            self._apply_gradients(
-                gradients, trainable, finite=finite, bad_inputs=tf.logical_or(bad_x, bad_y)
-            )
-        return self._kvram_logs(self.get_metrics_result())
+        return sums
 
     def get_config(self):
         return {
@@ -289,6 +321,7 @@ class PipelineModel(Model):
             "micro_batches": self.micro_batches,
             "checkpoint": False,  # stages are saved already wrapped
             "host_swapping": self.host_swapping,
+            "defer_weight_gradients": self.defer_weight_gradients,
             "name": self.name,
         }
 
@@ -303,6 +336,112 @@ class PipelineModel(Model):
                 stages.append(keras.saving.deserialize_keras_object(stage))
         config["stages"] = stages
         return cls(**config)
+
+
+def _cut(t, start, size):
+    return None if t is None else t[start : start + size]
+
+
+class _DeferredKernels:
+    """Zero Bubble's B/W split (Qi et al. 2023, "Zero Bubble Pipeline
+    Parallelism") for the `keras.layers.Dense` layers of the stages.
+
+    Within `deferring()`, each such layer's product with its kernel has a
+    gradient that gives the input gradient only (dy @ kernel^T) and records
+    the product's input and output gradient; `gradients(k)` then gives each of
+    stage k's kernels its gradient over every recorded slice at once,
+    concat(inputs)^T @ concat(output gradients): one matrix product over the
+    whole batch in place of one per slice (a reduction over a slice's rows
+    only) and the additions of their results.
+    """
+
+    def __init__(self, stages):
+        self.layers = [_deferrable_dense(stage) for stage in stages]
+        self.records: dict = {}
+
+    @contextlib.contextmanager
+    def deferring(self):
+        layers = [layer for stage in self.layers for layer in stage]
+        for layer in layers:
+            self.records[id(layer)] = []
+            # An instance attribute, so Keras's Layer.__call__ calls it; set
+            # past Keras's attribute tracking, and removed after.
+            object.__setattr__(layer, "call", self._call(layer))
+        try:
+            yield
+        finally:
+            for layer in layers:
+                object.__delattr__(layer, "call")
+
+    def _call(self, layer):
+        records = self.records[id(layer)]
+
+        def call(inputs, training=None):
+            x = _deferred_matmul(inputs, tf.convert_to_tensor(layer.kernel), records)
+            if layer.bias is not None:
+                x = keras.ops.add(x, layer.bias)
+            if layer.activation is not None:
+                x = layer.activation(x)
+            return x
+
+        return call
+
+    def gradients(self, k):
+        """(kernel variable, its gradient summed over the slices) for stage k's
+        layers whose products were recorded."""
+        out = []
+        for layer in self.layers[k] if k < len(self.layers) else []:
+            records = self.records.get(id(layer))
+            if not records:
+                continue
+            inputs, output_gradients = zip(*records)
+            units_in, units_out = layer.kernel.shape
+            flat_inputs = tf.reshape(tf.concat(inputs, 0), [-1, units_in])
+            flat_gradients = tf.reshape(tf.concat(output_gradients, 0), [-1, units_out])
+            gradient = tf.matmul(flat_inputs, flat_gradients, transpose_a=True)
+            out.append((layer.kernel, tf.cast(gradient, layer.kernel.dtype)))
+        return out
+
+
+def _deferrable_dense(stage) -> list:
+    """The `keras.layers.Dense` layers in `stage` (itself included) whose kernel
+    gradient `_DeferredKernels` can take over: Keras's own `call`, trainable,
+    no LoRA, not quantized, not inside a `kvram.layers.Checkpoint` (there the
+    gradient is computed in the recomputation)."""
+    from kvram.layers import Checkpoint
+
+    found, queue, seen = [], [stage], set()
+    while queue:
+        layer = queue.pop(0)
+        if id(layer) in seen or isinstance(layer, Checkpoint):
+            continue
+        seen.add(id(layer))
+        if (
+            isinstance(layer, keras.layers.Dense)
+            and type(layer).call is keras.layers.Dense.call
+            and layer.trainable
+            and not layer.lora_enabled
+            and not layer.quantization_mode
+            and len(layer.kernel.shape) == 2
+        ):
+            found.append(layer)
+        queue.extend(layer._flatten_layers(include_self=False, recursive=False))
+    return found
+
+
+def _deferred_matmul(inputs, kernel, records):
+    """inputs @ kernel, whose gradient is the input gradient alone; (inputs,
+    output gradient) is appended to `records` for the kernel's."""
+
+    @tf.custom_gradient
+    def product(x, w):
+        def gradient(dy):
+            records.append((x, dy))
+            return tf.matmul(dy, tf.cast(w, dy.dtype), transpose_b=True), None
+
+        return keras.ops.matmul(x, w), gradient
+
+    return product(inputs, kernel)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ def layers():
     ]
 
 
-def pair(micro_batches, checkpoint=False, optimizer=lambda: keras.optimizers.Adam(0.01)):
+def pair(micro_batches, checkpoint=False, optimizer=lambda: keras.optimizers.Adam(0.01), defer=True):
     single = keras.Sequential([keras.Input((8,))] + layers())
     single.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
     parts = layers()
@@ -35,6 +35,7 @@ def pair(micro_batches, checkpoint=False, optimizer=lambda: keras.optimizers.Ada
         ["CPU:0", "CPU:1"],
         micro_batches=micro_batches,
         checkpoint=checkpoint,
+        defer_weight_gradients=defer,
     )
     model.build((None, 8))
     for a, b in zip(single.weights, model.weights):
@@ -49,11 +50,13 @@ def data(n=16):
 
 
 @pytest.mark.parametrize(
-    "micro_batches, checkpoint", [(1, False), (4, False), (5, False), (16, False), (5, True)]
+    "micro_batches, checkpoint, defer",
+    [(1, False, True), (4, False, True), (5, False, True), (16, False, True), (5, True, True),
+     (5, False, False)],
 )
-def test_updates_equal_the_single_device_model(micro_batches, checkpoint):
+def test_updates_equal_the_single_device_model(micro_batches, checkpoint, defer):
     x, y = data()
-    single, model = pair(micro_batches, checkpoint)
+    single, model = pair(micro_batches, checkpoint, defer=defer)
     h1 = single.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
     h2 = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
     assert max_rel_diff([v.numpy() for v in single.weights], [v.numpy() for v in model.weights]) < TOL
@@ -63,9 +66,10 @@ def test_updates_equal_the_single_device_model(micro_batches, checkpoint):
     np.testing.assert_allclose(h1.history["mae"], h2.history["mae"], rtol=TOL)
 
 
-def test_variables_slots_and_ops_are_on_their_stage_device():
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "per_slice"])
+def test_variables_slots_and_ops_are_on_their_stage_device(defer):
     x, y = data()
-    _, model = pair(4)
+    _, model = pair(4, defer=defer)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     devices = {0: "CPU:0", 1: "CPU:1"}
     for k, stage in enumerate(model.stages):
@@ -94,7 +98,18 @@ def test_variables_slots_and_ops_are_on_their_stage_device():
     for k in (0, 1):
         matmuls = [op for op in graph.get_operations()
                    if op.name.startswith(f"gradient_tape/stage{k}_forward") and op.type == "MatMul"]
-        assert len(matmuls) >= 4 * 2 and all(op.device.endswith(devices[k]) for op in matmuls)
+        weight = [op for op in graph.get_operations()
+                  if op.name.startswith(f"stage{k}_weight_gradients/") and op.type == "MatMul"]
+        dense = len(model.stages[k].layers)
+        if defer:
+            # Each Dense kernel's gradient is one product over the batch's 16 rows
+            # (not one per 4-row slice), on the stage's device; the slices'
+            # backward computes input gradients only
+            assert not matmuls and len(weight) == dense, [op.name for op in weight]
+            assert all(op.inputs[0].shape[0] == 16 and op.device.endswith(devices[k]) for op in weight)
+        else:
+            assert len(matmuls) >= 4 * dense and all(op.device.endswith(devices[k]) for op in matmuls)
+            assert not weight
 
     # The optimizer's update math and the finiteness checks run where the
     # variable lives (inside the skip-step cond, whose branches are functions):
