@@ -57,6 +57,9 @@ def main():
                         help="PipelineModel(host_swapping=True): Grappler's memory optimizer may "
                              "copy activations to host memory and back in the step (TF's default; "
                              "kvram turns it off for PipelineModel's step)")
+    parser.add_argument("--per-slice", action="store_true",
+                        help="also time micro_batches=M with defer_weight_gradients=False (each "
+                             "Dense kernel's gradient per slice, summed), in the same rounds")
     parser.add_argument("--out", default=None)
     parser.add_argument("--single-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -156,40 +159,46 @@ def main():
     compile_(model)
     model.build((None, args.width))
     report["parameters"] = model.count_params()
-    runs = {1: [], args.micro_batches: []}
+    # (micro_batches, defer_weight_gradients): M=1, M, and with --per-slice M without deferral
+    configs = [(1, True), (args.micro_batches, True)] + ([(args.micro_batches, False)] if args.per_slice else [])
+    key = lambda c: str(c[0]) if c[1] else f"{c[0]}_per_slice"  # noqa: E731
+    runs = {key(c): [] for c in configs}
     peaks, losses, functions = {}, [], {}
     for round_ in range(args.rounds):
-        for m in (1, args.micro_batches):
-            # The step is traced once per m (micro_batches is read when tracing).
-            model.micro_batches = m
-            model.train_function = functions.get(m)
+        for config in configs:
+            # The step is traced once per config (both are read when tracing).
+            model.micro_batches, model.defer_weight_gradients = config
+            model.train_function = functions.get(config)
             timed = timed_fit(model, data, args.steps, args.warmup, devices)
-            functions[m] = model.train_function
-            runs[m].append(args.batch * args.steps / timed["seconds"])
-            peaks[m] = timed["peak_gib"]
+            functions[config] = model.train_function
+            runs[key(config)].append(args.batch * args.steps / timed["seconds"])
+            peaks[key(config)] = timed["peak_gib"]
             losses.append(timed["loss"])
-            print(f"round {round_} micro_batches={m}: {runs[m][-1]:.0f} samples/s, "
+            print(f"round {round_} {key(config)}: {runs[key(config)][-1]:.0f} samples/s, "
                   f"peak {timed['peak_gib']}, loss {timed['loss']:.4f}", flush=True)
-    naive, piped = float(np.median(runs[1])), float(np.median(runs[args.micro_batches]))
+    medians = {name: float(np.median(values)) for name, values in runs.items()}
+    naive, piped = medians["1"], medians[str(args.micro_batches)]
     k, m = 2, args.micro_batches
     report["pipeline"] = {
         "trains": True,
         "losses_in_order": losses,
-        "samples_per_s": {str(key): value for key, value in runs.items()},
-        "median_samples_per_s": {"1": naive, str(m): piped},
+        "samples_per_s": runs,
+        "median_samples_per_s": medians,
         "peak_gib": {str(key): value for key, value in peaks.items()},
         "speedup": piped / naive,
+        "speedup_per_slice": (medians[f"{args.micro_batches}_per_slice"] / naive
+                              if args.per_slice else None),
         "gpipe_ideal": k * m / (m + k - 1),
     }
     print(f"naive {naive:.0f} samples/s, pipelined (M={m}) {piped:.0f}: {piped / naive:.2f}x "
           f"(GPipe ideal {k * m / (m + k - 1):.2f}x)", flush=True)
     if args.profile:
         report["profile"] = {}
-        for m in (1, args.micro_batches):
-            model.micro_batches = m
-            model.train_function = functions.get(m)
-            report["profile"][str(m)] = profile = _profile(model, data, args.profile)
-            print(f"profile micro_batches={m}: " + json.dumps(
+        for config in configs:
+            model.micro_batches, model.defer_weight_gradients = config
+            model.train_function = functions.get(config)
+            report["profile"][key(config)] = profile = _profile(model, data, args.profile)
+            print(f"profile {key(config)}: " + json.dumps(
                 {k: profile.get(k) for k in ("phases_ms_per_step", "busy_ms_per_step", "idle_ms_per_step",
                                               "window_ms_per_step", "kinds_ms_per_step")}), flush=True)
     if args.out:
@@ -201,8 +210,10 @@ def main():
 # sums (`sums[k][j] + g`) are the `add` ops directly under a stage's backward scope; the
 # gradients themselves are under `gradient_tape/<the forward scope>`, where a Dense
 # layer's weight gradient is its MatMul's second gradient (`MatMul/MatMul_1`, x^T dy:
-# TensorFlow's _MatMulGrad makes the input's first) and its bias's `BiasAddGrad`.
+# TensorFlow's _MatMulGrad makes the input's first) and its bias's `BiasAddGrad`; with
+# defer_weight_gradients (the default) the kernels' are under `stage<k>_weight_gradients`.
 PHASES = (
+    ("weight_gradients", r"stage\d+_weight_gradients/"),  # deferred: one product per kernel
     ("gradient_sums", r"stage\d+_backward_mb\d+/add"),
     ("weight_gradients", r"gradient_tape/.*(MatMul/MatMul_1|BiasAddGrad)"),
     ("backward", r"gradient_tape/|_backward_mb\d+/"),
