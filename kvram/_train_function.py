@@ -70,6 +70,17 @@ def multi_worker(strategy) -> bool:
         strategy.extended._in_multi_worker_mode())
 
 
+def keras_step_fails(model) -> bool:
+    """Whether Keras's train and test steps fail under `model`'s strategy: over
+    several workers (keras-team/keras#20585), and under XLA over several local
+    devices, where Keras compiles `strategy.run` whole (two H200s:
+    benchmarks/results/distribute_2xh200_keras_step.json)."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None:
+        return False
+    return multi_worker(strategy) or bool(model.jit_compile and _local_devices(strategy) > 1)
+
+
 def reduce_logs(logs, strategy):
     """A step's logs averaged across replicas: Keras's `reduce_per_replica`,
     except over several workers, where Keras reduces with axis=0 and fails on
@@ -82,18 +93,35 @@ def reduce_logs(logs, strategy):
     return reduce_per_replica(logs, strategy, reduction="auto")
 
 
-def multi_worker_test_function(model):
-    """`model.test_function` over several workers: Keras's, with `reduce_logs`
-    in place of its `reduce_per_replica`, which fails there the same way in
-    evaluate() and in fit()'s validation (keras-team/keras#20585)."""
+def distributed_test_function(model):
+    """`model.test_function` where Keras's fails under a strategy:
+
+    - over several workers, its `reduce_per_replica` fails in evaluate() and
+      fit()'s validation as in its train step (keras-team/keras#20585):
+      `reduce_logs` replaces it;
+    - under XLA over several local devices (MirroredStrategy on GPUs), Keras
+      compiles `strategy.run` whole, one XLA computation that is placed on the
+      first GPU and cannot read the other replicas' variables (its train step
+      failed so on two H200s: benchmarks/results/distribute_2xh200_keras_step.json):
+      here each replica's `test_step` is compiled inside `strategy.run`, as
+      Keras itself compiles its predict step and kvram its train step.
+    """
     strategy = model.distribute_strategy
+    per_replica = bool(model.jit_compile) and not model.run_eagerly and _local_devices(strategy) > 1
+    test_step = model.test_step
+    if per_replica:
+        test_step = tf.function(test_step, reduce_retracing=True, jit_compile=True)
 
     def one_step(data):
-        return reduce_logs(strategy.run(model.test_step, args=(_no_optionals(data),)), strategy)
+        return reduce_logs(strategy.run(test_step, args=(_no_optionals(data),)), strategy)
 
     if not model.run_eagerly:
-        one_step = tf.function(one_step, reduce_retracing=True, jit_compile=model.jit_compile)
-    return lambda iterator: run_steps(model, iterator, one_step)
+        one_step = tf.function(
+            one_step, reduce_retracing=True, jit_compile=bool(model.jit_compile) and not per_replica
+        )
+    function = lambda iterator: run_steps(model, iterator, one_step)  # noqa: E731
+    function.step = one_step
+    return function
 
 
 def run_steps(model, iterator, step):

@@ -334,15 +334,12 @@ class Model(keras.Model):
             self._symbolic_build(data_batch=data_batch)
 
     def make_train_function(self, force=False):
-        strategy = getattr(self, "_distribute_strategy", None)
-        # Keras's own step fails over several workers (its logs' reduction),
-        # and under XLA over several local devices (one XLA computation around
-        # `strategy.run`, placed on the first GPU, cannot read the other
-        # replicas' variables: two H200s, benchmarks/results/distribute_2xh200_keras_step.json):
-        # kvram's step, which compiles each replica's step there, runs instead
-        if self._micro_batch_size is None and self._batch_controller is None and not (
-            _train_function.multi_worker(strategy)
-            or (self.jit_compile and strategy is not None and _train_function._local_devices(strategy) > 1)
+        # Where Keras's own step fails (`keras_step_fails`) kvram's runs, which
+        # compiles each replica's step under XLA over several local devices
+        if (
+            self._micro_batch_size is None
+            and self._batch_controller is None
+            and not _train_function.keras_step_fails(self)
         ):
             if isinstance(self.train_function, _train_function.TrainFunction):
                 force = True
@@ -362,11 +359,11 @@ class Model(keras.Model):
         return self.train_function
 
     def make_test_function(self, force=False):
-        # Keras's test step fails over several workers like its train step
-        if not _train_function.multi_worker(getattr(self, "_distribute_strategy", None)):
+        # Keras's test step fails where its train step does
+        if not _train_function.keras_step_fails(self):
             return super().make_test_function(force=force)
         if self.test_function is None or force:
-            self.test_function = _train_function.multi_worker_test_function(self)
+            self.test_function = _train_function.distributed_test_function(self)
         return self.test_function
 
     def train_step(self, data):

@@ -230,7 +230,7 @@ def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_
     patched, so two logical CPUs trace the GPUs' path; the step is traced, not
     run (XLA on the CPU cannot run one function per logical CPU: each reads
     the other's variables)."""
-    from tensorflow.python.distribute import mirrored_strategy
+    from tensorflow.python.distribute import mirrored_run, mirrored_strategy
 
     from kvram import _train_function
 
@@ -242,7 +242,10 @@ def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # builds every variable
-    monkeypatch.setattr(mirrored_strategy, "_is_gpu_device", lambda device: True)
+    # (strategy.run's own check: on other devices it would lift a compiled
+    # replica function to compile the whole run)
+    for module in (mirrored_strategy, mirrored_run):
+        monkeypatch.setattr(module, "_is_gpu_device", lambda device: True)
     model.jit_compile = True
     batch = next(iter(mirrored.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
@@ -257,7 +260,10 @@ def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_
         model.make_train_function(force=True)
         assert isinstance(model.train_function, _train_function.TrainFunction)
         step = model.train_function._fused(micro_batch_size, batch)
-    graph = step.get_concrete_function(batch).graph
+    concrete = step.get_concrete_function(batch)
+    # one XLA computation per replica, each on its replica's device
+    assert _compiled_call_devices(concrete) == ["CPU:0", "CPU:1"]
+    graph = concrete.graph
     ops = {op.type for f in graph._functions.values() for op in f.graph.get_operations()}
     assert "CollectiveReduceV2" in ops, sorted(ops)  # all-reduced without merge_call
     held = _train_function.step_state_variables(model)
@@ -270,6 +276,48 @@ def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_
         v.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
         for v in [model._skipped, model.optimizer.iterations.value]
     )
+
+
+def test_mirrored_xla_evaluate_compiles_each_replica(mirrored, monkeypatch):
+    """evaluate() (and fit()'s validation) under XLA over several local devices:
+    Keras compiles `strategy.run` whole, as in its train step, which on two
+    H200s failed (one computation on GPU:0 reading replica 1's variables:
+    benchmarks/results/distribute_2xh200_keras_step.json). kvram.Model compiles
+    each replica's test step inside `strategy.run`, on that replica's device,
+    as Keras compiles its predict step. Traced with MirroredStrategy's GPU
+    checks patched (as above; and strategy.run's, which on other devices would
+    lift a compiled function to compile the whole run), then evaluated without
+    XLA on the two logical CPUs."""
+    from tensorflow.python.distribute import mirrored_run, mirrored_strategy
+
+    x, y = data()
+    with mirrored.scope():
+        model = make()
+    model.evaluate(x, y, batch_size=16, verbose=0)  # builds (jit_compile "auto": off on the CPU)
+    for module in (mirrored_strategy, mirrored_run):
+        monkeypatch.setattr(module, "_is_gpu_device", lambda device: True)
+    model.jit_compile = True
+    model.make_test_function(force=True)
+    batch = next(iter(mirrored.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    )))
+    assert _compiled_call_devices(model.test_function.step.get_concrete_function(batch)) == ["CPU:0", "CPU:1"]
+    monkeypatch.undo()
+    model.jit_compile = False
+    model.make_test_function(force=True)
+    assert np.isfinite(model.evaluate(x, y, batch_size=16, verbose=0))
+
+
+def _compiled_call_devices(concrete):
+    """The devices of the XLA-compiled functions `concrete` calls; [] where it
+    is itself compiled whole (strategy.run in one computation)."""
+    if concrete.function_def.attr["_XlaMustCompile"].b:
+        return []
+    graph = concrete.graph
+    compiled = {name for name, f in graph._functions.items() if f.definition.attr["_XlaMustCompile"].b}
+    calls = [op for op in graph.get_operations()
+             if op.type in ("StatefulPartitionedCall", "PartitionedCall") and op.get_attr("f").name in compiled]
+    return sorted(tf.DeviceSpec.from_string(op.device).to_string()[-5:] for op in calls)
 
 
 def test_updated_in_each_replica_keeps_the_copies_equal(mirrored):
