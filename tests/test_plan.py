@@ -162,7 +162,8 @@ def test_estimate_checks_under_xla_and_training_confirms_it(request):
     assert "from: xla / graph = checked" in str(found)
     # extrapolated from batches of 8 and 16: the same runs checked at 64 rows
     at_batch = direct.resident_bytes + direct.check(recommended.plan.runs)
-    assert abs(recommended.predicted_peak_bytes - at_batch) <= 0.15 * at_batch, (recommended, at_batch)
+    assert abs(recommended.predicted_peak_bytes - at_batch) <= 0.15 * at_batch, (
+        recommended, recommended.plan.runs, at_batch)
     # Keras's fit() compiles with XLA (its jit_compile="auto", on the CPU too);
     # its step also applies the optimizer (not in the checked step)
     result = plan.measure(small_model, recommended, batch, steps=2, plain=False)
