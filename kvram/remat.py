@@ -865,6 +865,24 @@ def _least_candidates(profile, low, every=True):
     return list(dict.fromkeys(candidates))
 
 
+def _spread_candidates(profile, low):
+    """The programme's choices at `_SPREAD` of the way from the least
+    predicted peak `low` to the plain step's."""
+    high = _predict(profile, [])
+    found = [_choose(profile, int(low + f * (high - low))) for f in _SPREAD]
+    return [tuple(runs) for runs in found if runs]
+
+
+def _one_run_fewer(candidates):
+    """Each candidate with one of its runs (of two or more) left out."""
+    return [r[:i] + r[i + 1:] for r in candidates if len(r) > 1 for i in range(len(r))]
+
+
+# Where `_spread_candidates` takes the programme's choices, from the least
+# predicted peak (0) to the plain step's (1).
+_SPREAD = (0.1, 0.2, 0.35, 0.5)
+
+
 def _least_runs(profile, check, candidates):
     """The least-memory runs: the candidate with the lowest checked peak (the
     least recomputation among those within `_LEAST_TIE` of it). The
@@ -896,6 +914,18 @@ def _plan_for(model, chain, profile, resident, budget_bytes, batch, check=None, 
         # when the programme's least-memory choice checks over the budget.
         if check is not None and (budget_bytes is None or check(least_runs) > budget_bytes - resident):
             least_runs, searched = _least_runs(profile, check, candidates), True
+            if budget_bytes is not None and check(least_runs) > budget_bytes - resident:
+                # Checked steps need not follow the executor's prediction (XLA
+                # on the CPU: with its last three segments recomputed, a
+                # residual model peaked as high as without recomputation at 32
+                # and 64 rows, other choices at half): before saying nothing
+                # fits, the programme's choices across the range are checked.
+                candidates = list(dict.fromkeys(candidates + _spread_candidates(profile, low)))
+                least_runs = _least_runs(profile, check, candidates)
+            if budget_bytes is not None and check(least_runs) > budget_bytes - resident:
+                # and each of those with one of its runs left out
+                candidates = list(dict.fromkeys(candidates + _one_run_fewer(candidates)))
+                least_runs = _least_runs(profile, check, candidates)
     if check is None:
         plain, least = _predict(profile, []), low
         peak_of = lambda runs: _predict(profile, list(runs))  # noqa: E731

@@ -368,6 +368,41 @@ def test_a_budget_no_choice_reaches_falls_back_to_the_cheapest_fitting_candidate
     assert chosen.predicted_peak_bytes == 45 * mib
 
 
+def test_when_every_least_candidate_checks_over_the_budget_the_spread_is_checked():
+    """Checked peaks need not follow the executor's prediction: XLA on the CPU
+    peaked as high as without recomputation for some choices (the last
+    segments recomputed) and at half for others. When every least-memory
+    candidate checks over the budget, the programme's choices across the
+    range are checked before the budget is refused, then each of those
+    with one run left out (XLA's high choices there recomputed the last
+    segments)."""
+    model, chain, profile = _synthetic_plan_inputs()
+    low = remat._minimum(profile)
+    candidates = remat._least_candidates(profile, low)
+    spread = [r for r in remat._spread_candidates(profile, low) if r not in candidates]
+    assert spread, remat._spread_candidates(profile, low)
+    mib = 2**20
+    good = spread[-1]
+    peaks = {good: 30 * mib}
+
+    def check(runs):
+        return peaks.get(tuple(runs), 99 * mib)
+
+    chosen = remat._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
+    assert chosen.runs == good and chosen.predicted_peak_bytes == 30 * mib
+    assert chosen.minimum_peak_bytes == 30 * mib
+    # nor any of those: each with one run left out
+    fewer = [r for r in remat._one_run_fewer(candidates + spread) if r not in candidates + spread]
+    peaks.clear()
+    peaks[fewer[0]] = 31 * mib
+    chosen = remat._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
+    assert chosen.runs == fewer[0] and chosen.predicted_peak_bytes == 31 * mib
+    # with nothing that fits, the refusal names the least checked
+    peaks.clear()
+    with pytest.raises(ValueError, match=r"below the least memory"):
+        remat._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
+
+
 def test_plan_budget_below_the_least_says_the_least():
     model = _dropout_chain()
     x = np.zeros((32, 32, 32, 3), "float32")
