@@ -225,7 +225,7 @@ class PipelineModel(Model):
         sums: list[list] = [[None] * len(vs) for vs in stage_vars]
         last = self.device_names[-1]
 
-        deferred = _DeferredKernels(self.stages if self.defer_weight_gradients else [])
+        deferred = _DeferredKernels(self.stages, self.defer_weight_gradients)
         with deferred.deferring():
             records = self._forward(x, y, sample_weight, starts, sizes, total)
         sums = self._backward(records, stage_vars, all_vars, sums)
@@ -355,8 +355,8 @@ class _DeferredKernels:
     only) and the additions of their results.
     """
 
-    def __init__(self, stages):
-        self.layers = [_deferrable_dense(stage) for stage in stages]
+    def __init__(self, stages, enabled=True):
+        self.layers = [_deferrable_dense(stage) if enabled else [] for stage in stages]
         self.records: dict = {}
 
     @contextlib.contextmanager
@@ -390,7 +390,7 @@ class _DeferredKernels:
         """(kernel variable, its gradient summed over the slices) for stage k's
         layers whose products were recorded."""
         out = []
-        for layer in self.layers[k] if k < len(self.layers) else []:
+        for layer in self.layers[k]:
             records = self.records.get(id(layer))
             if not records:
                 continue

@@ -264,12 +264,12 @@ def estimate(
             chain = remat.segments(model)
             log(f"{precision}: built {model.name!r}, {len(chain)} segments")
             shape = tuple(model.inputs[0].shape[1:])
-            batches = [_batch(model, shape, rows) for rows in (low_rows, high_rows)]
-            profiles = [_measure(model, chain, *batch, loss) for batch in batches]
+            batches = {rows: _batch(model, shape, rows) for rows in (low_rows, high_rows)}
+            profiles = _probe_profiles(model, chain, batches, loss)
             log(f"{precision}: measured cut by cut at {low_rows} and {high_rows} rows")
             jit = remat._uses_xla(model, jit_compile, memory._device_name(None))
             checkers[precision] = _Checker(
-                model, chain, dict(zip((low_rows, high_rows), batches)), loss, jit, exact,
+                model, chain, batches, loss, jit, exact,
                 lambda message, p=precision: log(f"{p}: {message}"),
             )
             weights = _nbytes(model.variables)
@@ -447,8 +447,7 @@ def _checked_fit(c, checker, limit) -> bool:
         # CPU it picked, one run in five, only choices XLA kept as high as
         # without recomputation): the choices of a second profile are checked.
         checker.log(f"fit at {rows} rows: no choice checked within the limit; profiled again")
-        profile = _scaled(*(_measure(model, chain, *checker.batches[r], checker.loss) for r in sorted(checker.batches)),
-                          *sorted(checker.batches), rows)
+        profile = _scaled(*_probe_profiles(model, chain, checker.batches, checker.loss), *sorted(checker.batches), rows)
         try:
             chosen = remat._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
         except ValueError:
@@ -472,6 +471,11 @@ def _policy(model) -> str:
     """The dtype policy most of `model`'s layers compute in."""
     names = [layer.dtype_policy.name for layer in model._flatten_layers(include_self=False)]
     return max(set(names), key=names.count) if names else keras.config.dtype_policy().name
+
+
+def _probe_profiles(model, chain, batches, loss):
+    """The cut-by-cut profiles at the probe batches ({rows: (x, y)}), fewest rows first."""
+    return [_measure(model, chain, *batches[rows], loss) for rows in sorted(batches)]
 
 
 def _measure(model, chain, x, y, loss):

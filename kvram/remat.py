@@ -914,17 +914,16 @@ def _plan_for(model, chain, profile, resident, budget_bytes, batch, check=None, 
         # when the programme's least-memory choice checks over the budget.
         if check is not None and (budget_bytes is None or check(least_runs) > budget_bytes - resident):
             least_runs, searched = _least_runs(profile, check, candidates), True
-            if budget_bytes is not None and check(least_runs) > budget_bytes - resident:
-                # Checked steps need not follow the executor's prediction (XLA
-                # on the CPU: with its last three segments recomputed, a
-                # residual model peaked as high as without recomputation at 32
-                # and 64 rows, other choices at half): before saying nothing
-                # fits, the programme's choices across the range are checked.
-                candidates = list(dict.fromkeys(candidates + _spread_candidates(profile, low)))
-                least_runs = _least_runs(profile, check, candidates)
-            if budget_bytes is not None and check(least_runs) > budget_bytes - resident:
-                # and each of those with one of its runs left out
-                candidates = list(dict.fromkeys(candidates + _one_run_fewer(candidates)))
+            # Checked steps need not follow the executor's prediction (XLA on
+            # the CPU: with its last three segments recomputed, a residual
+            # model peaked as high as without recomputation at 32 and 64 rows,
+            # other choices at half): before saying nothing fits, the
+            # programme's choices across the range are checked, then each
+            # candidate with one of its runs left out.
+            for more in (lambda _: _spread_candidates(profile, low), _one_run_fewer):
+                if budget_bytes is None or check(least_runs) <= budget_bytes - resident:
+                    break
+                candidates = list(dict.fromkeys(candidates + more(candidates)))
                 least_runs = _least_runs(profile, check, candidates)
     if check is None:
         plain, least = _predict(profile, []), low
