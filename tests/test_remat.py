@@ -1,19 +1,16 @@
 """kvram.remat: cutting functional Keras models into segments, and the same model
 rebuilt with segments checkpointed (issue 12, first part)."""
 
-import contextlib
 import math
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.eager import context
 
 import kvram
 from kvram import remat
-from tests.helpers import in_own_process, max_rel_diff, residual_model, run_with_peak, values
+from tests.helpers import in_own_process, max_rel_diff, one_op_order, residual_model, run_with_peak, values
 
 FAMILIES = {
     "resnet50": lambda: keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10),
@@ -197,43 +194,6 @@ def _training_peak(model, x, y, resident):
     return resident + _step_peak(model, x, y, warm=True, repeat=3)
 
 
-@contextlib.contextmanager
-def _one_op_order():
-    """Within, `tf.function`s called on this thread run their ops in one order:
-    on TensorFlow's single-threaded executor, with Grappler's dependency and
-    memory optimizers off (the per-call options that eager function calls
-    carry, amended and restored after, as `kvram.parallel` turns host
-    swapping off). On the default executor the order of independent ops, and
-    a step's peak, vary from run to run and from trace to trace, more so under
-    load: MobileNetV3Small's planned steps measured up to 33% away from their
-    check in clean-clone suites (49.9 vs 66.2 MiB, 63.1 vs 44.4 MiB), and the
-    test reported misses as xfails. In one order the plan (checked in this
-    process) and the test's measurement agree closely: MobileNetV3Small in
-    six runs, each other family once, every prediction within 5.9% of measured.
-    Some trace-to-trace spread is left, and not from the order: each planned
-    step's peak (beyond the resident bytes) over three rebuilt models and two
-    traces each ranged within 4% for the budgeted choices, but 35.9-41.6 MiB
-    for the least-memory one, alike with Grappler off altogether, one
-    intra-op thread, or a garbage collection before each measurement."""
-    ctx = context.context()
-    saved = ctx.function_call_options
-    config = config_pb2.ConfigProto()
-    if saved.config_proto_serialized:
-        config.ParseFromString(saved.config_proto_serialized)
-    rewrites = config.graph_options.rewrite_options
-    rewrites.dependency_optimization = rewriter_config_pb2.RewriterConfig.OFF
-    # its AddN rewrite (DenseNet's gradient sums) makes reference-typed edges,
-    # which the single-threaded executor refuses
-    rewrites.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
-    ctx.function_call_options = context.FunctionCallOptions(
-        executor_type="SINGLE_THREADED_EXECUTOR", config_proto=config
-    )
-    try:
-        yield
-    finally:
-        ctx.function_call_options = saved
-
-
 @pytest.mark.parametrize(
     "family",
     [pytest.param(f, marks=pytest.mark.own_process) for f in sorted(PLAN_FAMILIES)],
@@ -241,7 +201,7 @@ def _one_op_order():
 def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family, request):
     if in_own_process(request):
         return
-    with _one_op_order():
+    with one_op_order():
         _plan_fits_three_budgets_and_halves_the_peak_with_none(family)
 
 
