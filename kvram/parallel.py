@@ -444,16 +444,26 @@ def _deferred_matmul(inputs, kernel, records):
     return product(inputs, kernel)
 
 
-@contextlib.contextmanager
 def _without_host_swapping():
     """Within, `tf.function`s called (and traced) on this thread are optimized
     with Grappler's memory optimizer off (`memory_optimization=NO_MEM_OPT`),
     so it cannot move activations to host memory and back. TensorFlow has no
     public switch for it (`tf.config.optimizer.set_experimental_options` has
-    no such key); the per-call options that eager function calls carry
-    (their `config_proto`, which Grappler reads) are amended, and restored
+    no such key): see `_call_options`."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+
+    return _call_options(memory_optimization=rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
+
+
+@contextlib.contextmanager
+def _call_options(executor_type=None, **rewrites):
+    """Within, `tf.function`s called (and traced) on this thread run with the
+    per-call options that eager function calls carry (their `config_proto`,
+    which Grappler reads, and their executor) amended: `rewrites` set fields
+    of Grappler's `RewriterConfig`; `executor_type` (e.g.
+    "SINGLE_THREADED_EXECUTOR") replaces the executor when given. Restored
     after."""
-    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+    from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.eager import context
 
     ctx = context.context()
@@ -461,11 +471,10 @@ def _without_host_swapping():
     config = config_pb2.ConfigProto()
     if saved.config_proto_serialized:
         config.ParseFromString(saved.config_proto_serialized)
-    config.graph_options.rewrite_options.memory_optimization = (
-        rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
-    )
+    for field, value in rewrites.items():
+        setattr(config.graph_options.rewrite_options, field, value)
     ctx.function_call_options = context.FunctionCallOptions(
-        executor_type=saved.executor_type, config_proto=config
+        executor_type=saved.executor_type if executor_type is None else executor_type, config_proto=config
     )
     try:
         yield

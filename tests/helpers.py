@@ -48,13 +48,11 @@ def run_with_peak(step, *args, warm: bool = False, repeat: int = 1):
     return result, kvram.memory.peak_bytes("CPU:0") - start
 
 
-@contextlib.contextmanager
 def one_op_order():
     """Within, `tf.function`s called on this thread run their ops in one order:
     on TensorFlow's single-threaded executor, with Grappler's dependency and
-    memory optimizers off (the per-call options that eager function calls
-    carry, amended and restored after, as `kvram.parallel` turns host
-    swapping off). On the default executor the order of independent ops, and
+    memory optimizers off (`kvram.parallel._call_options`, as `PipelineModel`
+    turns host swapping off). On the default executor the order of independent ops, and
     a step's peak, vary from run to run and from trace to trace, more so under
     load: MobileNetV3Small's planned steps measured up to 33% away from their
     check in clean-clone suites (49.9 vs 66.2 MiB, 63.1 vs 44.4 MiB), and the
@@ -66,26 +64,18 @@ def one_op_order():
     traces each ranged within 4% for the budgeted choices, but 35.9-41.6 MiB
     for the least-memory one, alike with Grappler off altogether, one
     intra-op thread, or a garbage collection before each measurement."""
-    from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-    from tensorflow.python.eager import context
+    from tensorflow.core.protobuf import rewriter_config_pb2
 
-    ctx = context.context()
-    saved = ctx.function_call_options
-    config = config_pb2.ConfigProto()
-    if saved.config_proto_serialized:
-        config.ParseFromString(saved.config_proto_serialized)
-    rewrites = config.graph_options.rewrite_options
-    rewrites.dependency_optimization = rewriter_config_pb2.RewriterConfig.OFF
-    # its AddN rewrite (DenseNet's gradient sums) makes reference-typed edges,
-    # which the single-threaded executor refuses
-    rewrites.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
-    ctx.function_call_options = context.FunctionCallOptions(
-        executor_type="SINGLE_THREADED_EXECUTOR", config_proto=config
+    from kvram.parallel import _call_options
+
+    off = rewriter_config_pb2.RewriterConfig
+    # the memory optimizer's AddN rewrite (DenseNet's gradient sums) makes
+    # reference-typed edges, which the single-threaded executor refuses
+    return _call_options(
+        executor_type="SINGLE_THREADED_EXECUTOR",
+        dependency_optimization=off.OFF,
+        memory_optimization=off.NO_MEM_OPT,
     )
-    try:
-        yield
-    finally:
-        ctx.function_call_options = saved
 
 
 def _child_command(nodeid):

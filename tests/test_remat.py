@@ -368,7 +368,7 @@ def test_a_budget_search_checks_a_new_choice_each_try():
     the programme's budget is lowered by the overshoot and more, doubling
     while it chooses the same runs (before, a choice checked just over was
     chosen again until the tries ran out, and the plan fell back to a
-    least-memory candidate: 65x the recomputation here; MobileNetV3Small on
+    least-memory candidate: 16x the recomputation here; MobileNetV3Small on
     the CPU: 13.4% extra compute where a 1.0% choice fitted)."""
     model, chain, profile = _synthetic_plan_inputs()
     mib = 2**20
