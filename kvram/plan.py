@@ -282,10 +282,15 @@ def estimate(
                 accumulators = _nbytes(model.trainable_variables) if micro else 0
                 resident = weights + state + sample * batch_size + accumulators
                 base = remat._plan_for(model, chain, profile, resident, None, rows)
-                names = ["none"] + (["fit"] if base.plain_peak_bytes > limit >= base.minimum_peak_bytes else []) + ["least"]
+                # A "fit" row wherever the plain step is predicted over the
+                # limit, also where the least-memory one is: the checks search
+                # for a choice within it (the executor's prediction
+                # over-predicts XLA's), from the least-memory choice when
+                # nothing is predicted to fit.
+                names = ["none"] + (["fit"] if base.plain_peak_bytes > limit else []) + ["least"]
                 for name in names:
-                    chosen = {"none": None, "fit": base.with_budget(limit) if name == "fit" else None,
-                              "least": base}[name]
+                    fit = name == "fit" and limit >= base.minimum_peak_bytes
+                    chosen = {"none": None, "fit": base.with_budget(limit) if fit else base, "least": base}[name]
                     peak = base.plain_peak_bytes if chosen is None else chosen.predicted_peak_bytes
                     extra = 0.0 if chosen is None else chosen.recompute_fraction
                     slices = _slices(batch_size, micro)
@@ -307,7 +312,9 @@ def estimate(
                 keras.config.set_dtype_policy(c.precision)
                 if c.remat == "fit" and not _checked_fit(c, checker, limit):
                     continue
-                if c.remat != "fit":
+                if c.remat == "least":
+                    _checked_least(c, checker, limit)
+                elif c.remat == "none":
                     _check(c, checker, limit)
             if c.fits:
                 recommended = c
@@ -365,6 +372,8 @@ class _Checker:
         self.device = memory._device_name(None)
         self.checks = {}
         self.name = "xla" if jit else "graph"
+        # {rows: the least-memory runs a "fit" row's checked search found}
+        self.least_runs = {}
 
     def _check(self, rows):
         """The check of a step at `rows` (a function of the recomputed runs)."""
@@ -451,13 +460,31 @@ def _checked_fit(c, checker, limit) -> bool:
         try:
             chosen = remat._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
         except ValueError:
-            c.predicted_by, c.fits = checker.name, False
+            _check(c, checker, limit)  # the row shows its own choice's checked peak
             return False
+    checker.least_runs[rows] = chosen.least_runs
+    _replace_plan(c, chosen, checker, limit)
+    return c.fits
+
+
+def _checked_least(c, checker, limit):
+    """Re-plans a "least" row with checks: the least-memory candidates (and
+    those a "fit" row's search checked) are checked, the lowest taken."""
+    model, chain, profile, resident, rows = c._planning
+    try:
+        chosen = remat._plan_for(model, chain, profile, resident, None, rows, checker.at(rows),
+                                 checker.least_runs.get(rows))
+    except ValueError:  # the least-memory choice ran out of the device's memory
+        _check(c, checker, limit)
+        return
+    _replace_plan(c, chosen, checker, limit)
+
+
+def _replace_plan(c, chosen, checker, limit):
     # the new choice's recomputation in place of the old one's (the slices' cost stays)
     c.relative_step_time += chosen.recompute_fraction - c.plan.recompute_fraction
     c.plan, c.predicted_peak_bytes = chosen, chosen.predicted_peak_bytes
     c.predicted_by, c.fits = checker.name, chosen.predicted_peak_bytes <= limit
-    return c.fits
 
 
 def _batch(model, shape, rows):

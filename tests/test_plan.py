@@ -235,6 +235,48 @@ def test_a_check_out_of_memory_does_not_fit_and_the_plan_goes_on(monkeypatch):
     assert recommended.predicted_by == "graph" and recommended.predicted_peak_bytes <= memory
 
 
+def _checked_steps_peak(monkeypatch, plain_bytes, recomputing_bytes):
+    """Checked steps (remat's `_step_peak_or_raise`) peak at `plain_bytes`
+    without recomputation and at `recomputing_bytes` with any (as XLA's
+    peaks need not follow the executor's prediction)."""
+    from kvram.layers import Checkpoint
+
+    def peak(model, *args):
+        return recomputing_bytes if any(isinstance(layer, Checkpoint) for layer in model.layers) else plain_bytes
+
+    monkeypatch.setattr(remat, "_step_peak_or_raise", peak)
+
+
+def test_fit_is_searched_by_checks_where_the_executor_predicts_nothing_fits(monkeypatch):
+    # The cut-by-cut prediction puts even the least-memory choice over the
+    # limit; the checks find choices within it. The "fit" row is searched,
+    # and preferred (before this row existed only where the prediction put the
+    # least-memory choice within the limit, and "least" alone was checked).
+    batch = 64
+    _checked_steps_peak(monkeypatch, 64 * 2**20, 2**20)
+    found = plan.estimate(small_model, batch, memory_bytes=8 * 2**20, precisions=("float32",),
+                          micro_batch_sizes=[], margin=0.0, check_at="batch")
+    rows = {c.remat: c for c in found.configurations}
+    assert rows["least"].executor_peak_bytes > 8 * 2**20, found  # predicted not to fit
+    recommended = found.recommended
+    assert recommended is rows["fit"] and recommended.fits and recommended.predicted_by == "graph", found
+    assert recommended.predicted_peak_bytes <= 8 * 2**20
+    assert recommended.plan.recompute_fraction <= rows["least"].plan.recompute_fraction, found
+
+
+def test_a_fit_row_with_nothing_within_the_limit_shows_its_checked_peak(monkeypatch):
+    # No choice checks within the limit: the "fit" and "least" rows show
+    # checked peaks (over the limit), not the executor's prediction.
+    _checked_steps_peak(monkeypatch, 64 * 2**20, 32 * 2**20)
+    found = plan.estimate(small_model, 64, memory_bytes=8 * 2**20, precisions=("float32",),
+                          micro_batch_sizes=[], margin=0.0, check_at="batch")
+    assert found.recommended is None and "nothing fits" in str(found)
+    for c in found.configurations:
+        checked = (64 if c.remat == "none" else 32) * 2**20
+        resident = c.predicted_peak_bytes - checked  # variables, Adam's state and the batch: 0.92 MiB
+        assert c.predicted_by == "graph" and not c.fits and 0 < resident < 2**20, found
+
+
 def test_least_out_of_memory_says_nothing_fits(monkeypatch):
     import tensorflow as tf
 
