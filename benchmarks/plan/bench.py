@@ -69,8 +69,10 @@ def child(args) -> dict:
         save(plan_seconds=earlier["plan_seconds"], estimate=earlier["estimate"],
              estimate_from=os.path.basename(args.estimate_from))
     else:
+        micro = None if args.micro_batch_sizes is None else [
+            int(m) for m in args.micro_batch_sizes.split(",") if m != "none"]
         found = plan.estimate(build, args.batch_size, memory_bytes=cap, precisions=tuple(args.precision.split(",")),
-                              verbose=True)
+                              micro_batch_sizes=micro, verbose=True)
         print(found, flush=True)
         save(plan_seconds=round(time.perf_counter() - began, 1), estimate=found.to_json())
     if found.recommended is None or args.estimate_only:
@@ -162,6 +164,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--precision", default="mixed_bfloat16,float32")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--micro-batch-sizes", default=None,
+                        help='slice sizes the estimate tries besides whole batches, comma-separated; "none": '
+                             "whole batches only (default: estimate's, the batch halved and quartered)")
     parser.add_argument("--try-all", action="store_true")
     parser.add_argument("--estimate-from", default=None, help="a child's JSON: measure its estimate's rows")
     parser.add_argument("--seed-baseline", action="store_true", help="also train plain Keras in float32")
@@ -194,6 +199,7 @@ def main() -> None:
             command += ["--estimate-only"] * args.estimate_only + ["--no-plain"] * args.no_plain
             command += ["--skip-measured"] * args.skip_measured
             command += ["--rows", args.rows] if args.rows else []
+            command += ["--micro-batch-sizes", args.micro_batch_sizes] if args.micro_batch_sizes else []
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
                 lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
