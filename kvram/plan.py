@@ -289,8 +289,12 @@ def estimate(
                 # nothing is predicted to fit.
                 names = ["none"] + (["fit"] if base.plain_peak_bytes > limit else []) + ["least"]
                 for name in names:
-                    fit = name == "fit" and limit >= base.minimum_peak_bytes
-                    chosen = {"none": None, "fit": base.with_budget(limit) if fit else base, "least": base}[name]
+                    if name == "none":
+                        chosen = None
+                    elif name == "fit" and limit >= base.minimum_peak_bytes:
+                        chosen = base.with_budget(limit)
+                    else:
+                        chosen = base
                     peak = base.plain_peak_bytes if chosen is None else chosen.predicted_peak_bytes
                     extra = 0.0 if chosen is None else chosen.recompute_fraction
                     slices = _slices(batch_size, micro)
