@@ -409,9 +409,8 @@ class _Checker:
         grow faster at larger sizes than between the probes. XLA on the CPU: a
         residual model recomputing three runs peaked at 4.0, 8.0, 32.0 and
         64.0 MiB at 8, 16, 32 and 64 rows, so the line through 8 and 16 rows
-        gave half its peak at 64 rows (tests/test_plan.py,
-        test_estimate_checks_under_xla_and_training_confirms_it, failed so one
-        run in three). A third check out of the present device's memory leaves
+        gave half its peak at 64 rows (tests/test_plan.py's XLA estimate test,
+        when it checked at the probes, failed so one run in three). A third check out of the present device's memory leaves
         the probes' line."""
         if self.exact or rows in self.batches:
             return self._check(rows)
