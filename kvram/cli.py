@@ -186,20 +186,39 @@ def _model_builder(spec: str, input_shape, classes: int):
     return lambda: constructor(weights=None, input_shape=input_shape, classes=classes)
 
 
+# How many times `kvram plan` starts its estimate's process again after it was
+# killed by a signal, each time only if it had made a new check.
+_PLAN_RESTARTS = 5
+
+
 def _plan(args) -> int:
-    from kvram import plan
+    from kvram import launch, plan
 
     try:
         memory_bytes = plan.parse_bytes(args.gpu_memory) if args.gpu_memory else None
     except ValueError as error:
         raise SystemExit(f"kvram plan: --gpu-memory: {error}") from None
+    if args.limit_gpu and memory_bytes is None:
+        raise SystemExit("kvram plan: --limit-gpu needs --gpu-memory (the size to limit the GPU to)")
+    try:
+        micro = None if args.micro_batch_sizes is None else [
+            int(m) for m in args.micro_batch_sizes.split(",") if m.strip() != "none"]
+    except ValueError:
+        raise SystemExit(
+            f"kvram plan: --micro-batch-sizes: {args.micro_batch_sizes!r}. Allowed: comma-separated "
+            'row counts (e.g. 128,64), or "none" for whole batches only'
+        ) from None
+    if args.isolate == "always" or (args.isolate == "auto" and launch.visible_gpus()):
+        return _plan_in_child(args)
+    if args.limit_gpu:
+        _limit_gpu(memory_bytes)
     shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
     build = _model_builder(args.model, shape, args.classes)
     try:
         found = plan.estimate(
             build, args.batch_size, memory_bytes=memory_bytes, optimizer=args.optimizer,
-            precisions=tuple(args.precision.split(",")), margin=args.margin,
-            micro_batch_overhead=args.micro_batch_overhead, verbose=True,
+            precisions=tuple(args.precision.split(",")), margin=args.margin, micro_batch_sizes=micro,
+            micro_batch_overhead=args.micro_batch_overhead, checks_file=args.checks_file, verbose=True,
         )
     except ValueError as error:
         raise SystemExit(f"kvram plan: {error}") from None
@@ -212,6 +231,67 @@ def _plan(args) -> int:
         with open(args.json, "w") as f:
             json.dump(found.to_json(), f, indent=2)
     return 0 if found.recommended is not None else 1
+
+
+def _limit_gpu(memory_bytes: int) -> None:
+    """Makes the first GPU a logical device of `memory_bytes` (TensorFlow then
+    allocates no more on it), before TensorFlow starts using it."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        raise SystemExit("kvram plan: --limit-gpu: TensorFlow sees no GPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_bytes // 2**20)])
+    except RuntimeError as error:  # the GPU was initialized already
+        raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
+
+
+def _checks_made(path: str) -> int:
+    try:
+        with open(path) as f:
+            return len(json.load(f)["checks"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _plan_in_child(args) -> int:
+    """Runs this `kvram plan` in a child process that keeps its checks in a
+    file, and starts it again from them when a signal kills it: TensorFlow's
+    GPU allocator can abort the process after a step that ran out of memory
+    (`bfc_allocator.cc ... Check failed: h != kInvalidChunkHandle`, seen on an
+    H200 limited to 8 GiB: benchmarks/results/plan_h200/README.md), and the
+    checks made before are not made again (one that ran out of memory is
+    kept as such)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from kvram.launch import _describe
+
+    own = args.checks_file is None
+    path = args.checks_file or os.path.join(tempfile.mkdtemp(prefix="kvram-plan-"), "checks.json")
+    command = [sys.executable, "-m", "kvram", *args.argv, "--isolate", "never", "--checks-file", path]
+    for restart in range(_PLAN_RESTARTS + 1):
+        before = _checks_made(path)
+        code = subprocess.call(command)
+        if code >= 0:
+            if own and code == 0:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+            return code
+        made = _checks_made(path)
+        if made == before or restart == _PLAN_RESTARTS:
+            why = "with no new check since it started" if made == before else f"{restart + 1} times"
+            print(f"kvram plan: the estimate's process {_describe(code)} {why}; stopped. Its {made} "
+                  f"check(s) are kept in {path}: `kvram plan ... --checks-file {path}` goes on from them.",
+                  file=sys.stderr, flush=True)
+            return 1
+        print(f"kvram plan: the estimate's process {_describe(code)} after {made - before} new check(s) "
+              "(TensorFlow's GPU allocator can abort a process after a step that ran out of memory); "
+              f"starting it again from the {made} check(s) kept in {path} "
+              f"(restart {restart + 1} of at most {_PLAN_RESTARTS})", file=sys.stderr, flush=True)
+    return 1
 
 
 def _launch(args) -> int:
@@ -285,6 +365,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="train the recommended configuration and plain Keras a few steps")
     planner.add_argument("--steps", type=_positive, default=5, help="steps timed by --measure")
     planner.add_argument("--json", default=None, help="also write the estimate to this JSON file")
+    planner.add_argument("--micro-batch-sizes", default=None,
+                         help='slice sizes to try besides whole batches, comma-separated, or "none" '
+                              "(default: the batch halved and quartered)")
+    planner.add_argument("--limit-gpu", action="store_true",
+                         help="limit the GPU to --gpu-memory (a logical device of that size), so that "
+                              "checks and --measure run out of memory where a GPU of that size would")
+    planner.add_argument("--checks-file", default=None,
+                         help="keep each check's result in this JSON file as it is made, and reuse "
+                              "those already there (to go on after a run that was stopped)")
+    planner.add_argument("--isolate", choices=("auto", "always", "never"), default="auto",
+                         help="run the estimate in a child process, started again from its kept checks "
+                              "if a signal kills it (TensorFlow can abort after a GPU step out of "
+                              "memory); auto: when a GPU is present")
     planner.set_defaults(func=_plan)
     shards = sub.add_parser("shards", help="write or inspect .npy shard directories")
     shards_sub = shards.add_subparsers(dest="shards_command", required=True)
@@ -326,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for a command run again in a child
     return args.func(args)
 
 

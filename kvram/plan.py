@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
+import os
 import sys
 import time
 
@@ -191,6 +193,7 @@ def estimate(
     probe_rows=None,
     jit_compile="auto",
     check_at="auto",
+    checks_file=None,
     verbose: bool = False,
 ):
     """Predicted memory of every configuration (precision x checkpointing x
@@ -229,6 +232,12 @@ def estimate(
             the present device). "auto": "batch" on
             a GPU whose memory (its logical limit, else its total) is at least
             `memory_bytes`, else "probes".
+        checks_file: a JSON file keeping every check's result as it is made,
+            read first when it exists: an estimate started again after its
+            process died (TensorFlow's GPU allocator can abort the process
+            after a step that ran out of memory) reuses the checks already
+            made. A check is reused only for the same model (name, input
+            shape, segments), loss, precision, rows, XLA or not, and runs.
         verbose: print each stage as it ends, with the seconds since the start,
             on standard error (kept in `Estimate.log` either way).
 
@@ -250,6 +259,7 @@ def estimate(
         raise ValueError(f"probe_rows must be two increasing sizes >= 1. Received: {probe_rows!r}")
     exact = _checks_exact(check_at, memory_bytes)
     log = _Log(verbose)
+    store = _CheckStore(checks_file, log)
     limit = int(memory_bytes * (1 - margin))
     previous = keras.config.dtype_policy().name
     configurations, done, checkers = [], set(), {}
@@ -271,6 +281,7 @@ def estimate(
             checkers[precision] = _Checker(
                 model, chain, batches, loss, jit, exact,
                 lambda message, p=precision: log(f"{p}: {message}"),
+                store, (precision, model.name, shape, [s.layers[-1] for s in chain], loss),
             )
             weights = _nbytes(model.variables)
             state = remat._optimizer_bytes(model, optimizer)
@@ -369,9 +380,11 @@ class _Checker:
     result extrapolated linearly in rows. A check out of the device's memory
     gives a `remat._OutOfMemory`."""
 
-    def __init__(self, model, chain, batches, loss, jit, exact, log):
+    def __init__(self, model, chain, batches, loss, jit, exact, log, store=None, identity=()):
         self.model, self.chain, self.batches, self.jit, self.exact, self.log = (
             model, chain, batches, jit, exact, log)
+        # checks kept across processes, under what identifies the step
+        self.store, self.identity = store or _CheckStore(None, log), identity
         self.loss, self.loss_fn = loss, remat._loss_function(model, loss)
         self.device = memory._device_name(None)
         self.checks = {}
@@ -389,12 +402,17 @@ class _Checker:
 
             def check(runs):
                 runs = tuple(runs)
-                peak = inner(runs)
+                key = json.dumps([*self.identity, self.jit, rows, [list(r) for r in runs]], default=str)
+                peak = self.store.get(key)
+                kept = peak is not None
+                if not kept:
+                    peak = inner(runs)
+                    self.store.put(key, peak)
                 if runs not in seen:
                     seen.add(runs)
                     self.log(f"checked ({self.name}) at {rows} rows with {len(runs)} recomputed run(s): "
                              + (f"out of memory (over {_size(peak)})" if isinstance(peak, remat._OutOfMemory)
-                                else f"step peak {_size(peak)}"))
+                                else f"step peak {_size(peak)}") + (" (from the checks file)" if kept else ""))
                 return peak
 
             self.checks[rows] = check
@@ -435,6 +453,46 @@ class _Checker:
             return max(value, line(high_rows, b, third_rows, c))
 
         return extrapolated
+
+
+class _CheckStore:
+    """Checks' results kept in a JSON file (`estimate`'s checks_file), each
+    written as soon as it is made (to a temporary file, then renamed: a
+    process killed while writing leaves the previous file whole). Without a
+    file, nothing is kept."""
+
+    def __init__(self, path, log):
+        self.path, self.checks = path, {}
+        if path and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    saved = json.load(f)
+                self.checks = dict(saved["checks"])
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise ValueError(
+                    f"checks_file {path!r} is not a checks file kvram wrote ({error}). "
+                    "Allowed: a file an earlier estimate wrote, or a path not yet there."
+                ) from None
+            log(f"{len(self.checks)} check(s) read from {path}")
+
+    def get(self, key):
+        """The check kept under `key` (`_Checker`'s), or None."""
+        value = self.checks.get(key)
+        if value is None:
+            return None
+        return remat._OutOfMemory(value["out_of_memory"]) if isinstance(value, dict) else int(value)
+
+    def put(self, key, peak):
+        self.checks[key] = {"out_of_memory": int(peak)} if isinstance(peak, remat._OutOfMemory) else int(peak)
+        self._save()
+
+    def _save(self):
+        if not self.path:
+            return
+        partial = f"{self.path}.partial"
+        with open(partial, "w") as f:
+            json.dump({"kvram_checks": 1, "checks": self.checks}, f, indent=1)
+        os.replace(partial, self.path)
 
 
 def _check(c, checker, limit):

@@ -238,3 +238,28 @@ def gradients_failing_every(period: int, original):
         return run
 
     return failing_gradients
+
+
+def aborting_model():
+    """`residual_model()`, for `kvram plan --model tests.helpers:aborting_model`
+    in a child process: the process aborts (SIGABRT, as TensorFlow's GPU
+    allocator does after some out-of-memory steps) at its
+    `KVRAM_TEST_ABORT_AT`-th check (counting from 1), only once when
+    `KVRAM_TEST_ABORT_MARKER` names a file (made at the abort), else every time."""
+    from kvram import remat
+
+    at, marker = int(os.environ["KVRAM_TEST_ABORT_AT"]), os.environ.get("KVRAM_TEST_ABORT_MARKER")
+    real, calls = remat._step_peak_or_raise, []
+
+    def step_peak(*args):
+        calls.append(None)
+        if len(calls) == at and not (marker and os.path.exists(marker)):
+            if marker:
+                open(marker, "w").close()
+            os.abort()
+        return real(*args)
+
+    if not getattr(remat._step_peak_or_raise, "aborts", False):
+        step_peak.aborts = True
+        remat._step_peak_or_raise = step_peak
+    return residual_model()

@@ -224,6 +224,83 @@ def test_estimate_checks_each_configuration_at_its_own_rows():
     assert report["segments"]["float32"] == [s.layers[-1] for s in remat.segments(small_model())]
 
 
+def test_a_checks_file_keeps_each_check_and_the_next_estimate_reuses_them(tmp_path, monkeypatch):
+    path = tmp_path / "checks.json"
+    kwargs = dict(memory_bytes=2**30, precisions=("float32",), micro_batch_sizes=[], margin=0.0,
+                  checks_file=str(path))
+    first = plan.estimate(small_model, 16, **kwargs)
+    # plain fits: checked at the probes' 2 and 4 rows and at 8, each kept as made
+    kept = json.loads(path.read_text())["checks"]
+    assert sorted(json.loads(key)[-2] for key in kept) == [2, 4, 8], kept
+    assert all(isinstance(v, int) for v in kept.values()) and max(kept.values()) > 0, kept
+    assert not (tmp_path / "checks.json.partial").exists()
+
+    def no_step(*args):
+        raise AssertionError("a kept check was run again")
+
+    monkeypatch.setattr(remat, "_step_peak_or_raise", no_step)
+    second = plan.estimate(small_model, 16, **kwargs)
+    assert [c.predicted_peak_bytes for c in second.configurations if c.predicted_by == "graph"] == [
+        c.predicted_peak_bytes for c in first.configurations if c.predicted_by == "graph"]
+    messages = [message for _, message in second.log]
+    assert f"3 check(s) read from {path}" in messages, messages
+    assert sum("(from the checks file)" in m for m in messages) == 3, messages
+
+
+def test_a_checks_file_keeps_a_check_out_of_memory_as_such(tmp_path):
+    path = str(tmp_path / "checks.json")
+    store = plan._CheckStore(path, lambda message: None)
+    store.put("a", remat._OutOfMemory(1234))
+    store.put("b", 5678)
+    again = plan._CheckStore(path, lambda message: None)
+    assert isinstance(again.get("a"), remat._OutOfMemory) and int(again.get("a")) == 1234
+    assert again.get("b") == 5678 and not isinstance(again.get("b"), remat._OutOfMemory)
+    assert again.get("c") is None
+
+
+def test_a_file_that_is_not_a_checks_file_is_refused(tmp_path):
+    path = tmp_path / "checks.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"checks_file .* is not a checks file kvram wrote .* Allowed"):
+        plan.estimate(small_model, 16, memory_bytes=2**30, checks_file=str(path))
+
+
+def _plan_in_child(tmp_path, monkeypatch, abort_at, once):
+    monkeypatch.setenv("KVRAM_TEST_ABORT_AT", str(abort_at))
+    if once:
+        monkeypatch.setenv("KVRAM_TEST_ABORT_MARKER", str(tmp_path / "aborted"))
+    return cli.main([
+        "plan", "--model", "tests.helpers:aborting_model", "--batch-size", "16", "--gpu-memory", "1GB",
+        "--precision", "float32", "--micro-batch-sizes", "none", "--isolate", "always",
+        "--checks-file", str(tmp_path / "checks.json"), "--json", str(tmp_path / "plan.json"),
+    ])
+
+
+def test_cli_plan_starts_its_process_again_from_the_kept_checks_after_an_abort(tmp_path, monkeypatch, capfd):
+    # the child aborts at its second check (the first is kept); the second
+    # child reads it, makes the others and prints the estimate
+    code = _plan_in_child(tmp_path, monkeypatch, abort_at=2, once=True)
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    assert (tmp_path / "aborted").exists()
+    assert "the estimate's process was killed by SIGABRT after 1 new check(s)" in err, err[-3000:]
+    assert "starting it again from the 1 check(s) kept in" in err
+    assert "1 check(s) read from" in err and "(from the checks file)" in err, err[-3000:]
+    assert "<- recommended" in out
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert [c["remat"] for c in report["configurations"] if c["recommended"]] == ["none"]
+    assert len(json.loads((tmp_path / "checks.json").read_text())["checks"]) == 3
+
+
+def test_cli_plan_stops_when_its_process_aborts_before_a_new_check(tmp_path, monkeypatch, capfd):
+    code = _plan_in_child(tmp_path, monkeypatch, abort_at=1, once=False)
+    _, err = capfd.readouterr()
+    assert code == 1
+    assert "was killed by SIGABRT with no new check since it started; stopped. Its 0 check(s)" in err, err[-3000:]
+    assert f"--checks-file {tmp_path / 'checks.json'}" in err
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_estimate_check_at_is_validated():
     with pytest.raises(ValueError, match=r'check_at must be "auto", "batch" or "probes". Received: check_at=\'all\''):
         plan.estimate(small_model, 16, memory_bytes=2**30, check_at="all")
