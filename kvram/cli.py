@@ -230,7 +230,16 @@ def _plan(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(found.to_json(), f, indent=2)
-    return 0 if found.recommended is not None else 1
+    code = 0 if found.recommended is not None else 1
+    if args.plan_child:
+        # Done: said in the checks file, and the process ends here, before
+        # TensorFlow's teardown (its GPU allocator aborted one at exit, after
+        # the estimate was printed: benchmarks/results/plan_h200/README.md).
+        _mark_finished(args.checks_file, args.plan_child, code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _limit_gpu(memory_bytes: int) -> None:
@@ -248,12 +257,22 @@ def _limit_gpu(memory_bytes: int) -> None:
         raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
 
 
-def _checks_made(path: str) -> int:
+def _checks_file(path: str) -> dict:
     try:
         with open(path) as f:
-            return len(json.load(f)["checks"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
+            saved = json.load(f)
+        return saved if isinstance(saved, dict) and isinstance(saved.get("checks"), dict) else {"checks": {}}
+    except (OSError, ValueError):
+        return {"checks": {}}
+
+
+def _mark_finished(path: str, run: str, code: int) -> None:
+    """Records in the checks file that the child `run` finished with `code`."""
+    saved = _checks_file(path)
+    saved["finished"] = {"run": run, "code": code}
+    with open(f"{path}.partial", "w") as f:
+        json.dump(saved, f, indent=1)
+    os.replace(f"{path}.partial", path)
 
 
 def _plan_in_child(args) -> int:
@@ -267,20 +286,27 @@ def _plan_in_child(args) -> int:
     import shutil
     import subprocess
     import tempfile
+    import uuid
 
     from kvram.launch import _describe
 
     own = args.checks_file is None
     path = args.checks_file or os.path.join(tempfile.mkdtemp(prefix="kvram-plan-"), "checks.json")
-    command = [sys.executable, "-m", "kvram", *args.argv, "--isolate", "never", "--checks-file", path]
+    run = uuid.uuid4().hex
+    command = [sys.executable, "-m", "kvram", *args.argv, "--isolate", "never", "--checks-file", path,
+               "--plan-child", run]
     for restart in range(_PLAN_RESTARTS + 1):
-        before = _checks_made(path)
+        before = len(_checks_file(path)["checks"])
         code = subprocess.call(command)
+        finished = _checks_file(path).get("finished") or {}
+        if code < 0 and finished.get("run") == run:  # killed after it had finished
+            print(f"kvram plan: the estimate's process {_describe(code)} after it finished", file=sys.stderr)
+            code = finished["code"]
         if code >= 0:
             if own and code == 0:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
             return code
-        made = _checks_made(path)
+        made = len(_checks_file(path)["checks"])
         if made == before or restart == _PLAN_RESTARTS:
             why = "with no new check since it started" if made == before else f"{restart + 1} times"
             print(f"kvram plan: the estimate's process {_describe(code)} {why}; stopped. Its {made} "
@@ -378,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="run the estimate in a child process, started again from its kept checks "
                               "if a signal kills it (TensorFlow can abort after a GPU step out of "
                               "memory); auto: when a GPU is present")
+    planner.add_argument("--plan-child", default=None, help=argparse.SUPPRESS)  # set by --isolate's parent
     planner.set_defaults(func=_plan)
     shards = sub.add_parser("shards", help="write or inspect .npy shard directories")
     shards_sub = shards.add_subparsers(dest="shards_command", required=True)

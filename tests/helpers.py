@@ -244,8 +244,9 @@ def aborting_model():
     """`residual_model()`, for `kvram plan --model tests.helpers:aborting_model`
     in a child process: the process aborts (SIGABRT, as TensorFlow's GPU
     allocator does after some out-of-memory steps) at its
-    `KVRAM_TEST_ABORT_AT`-th check (counting from 1), only once when
-    `KVRAM_TEST_ABORT_MARKER` names a file (made at the abort), else every time."""
+    `KVRAM_TEST_ABORT_AT`-th check (counting from 1; 0: none), only once when
+    `KVRAM_TEST_ABORT_MARKER` names a file (made at the abort), else every
+    time; and at the interpreter's exit when `KVRAM_TEST_ABORT_AT_EXIT` is set."""
     from kvram import remat
 
     at, marker = int(os.environ["KVRAM_TEST_ABORT_AT"]), os.environ.get("KVRAM_TEST_ABORT_MARKER")
@@ -259,6 +260,10 @@ def aborting_model():
             os.abort()
         return real(*args)
 
+    if os.environ.get("KVRAM_TEST_ABORT_AT_EXIT"):  # as TensorFlow's teardown once did on a GPU
+        import atexit
+
+        atexit.register(os.abort)
     if not getattr(remat._step_peak_or_raise, "aborts", False):
         step_peak.aborts = True
         remat._step_peak_or_raise = step_peak

@@ -301,6 +301,35 @@ def test_cli_plan_stops_when_its_process_aborts_before_a_new_check(tmp_path, mon
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_cli_plan_child_ends_before_the_interpreter_exit_that_aborts(tmp_path, monkeypatch, capfd):
+    # an abort at exit (after the estimate is printed) does not happen: the
+    # child ends with os._exit once its work is done
+    monkeypatch.setenv("KVRAM_TEST_ABORT_AT_EXIT", "1")
+    code = _plan_in_child(tmp_path, monkeypatch, abort_at=0, once=False)
+    out, err = capfd.readouterr()
+    assert code == 0 and "was killed" not in err, err[-3000:]
+    assert "<- recommended" in out
+    assert json.loads((tmp_path / "checks.json").read_text())["finished"]["code"] == 0
+
+
+def test_cli_plan_child_killed_after_it_finished_is_not_started_again(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    calls = []
+
+    def finished_then_killed(command):
+        calls.append(command)
+        path, run = command[command.index("--checks-file") + 1], command[command.index("--plan-child") + 1]
+        cli._mark_finished(path, run, 0)
+        return -6
+
+    monkeypatch.setattr(subprocess, "call", finished_then_killed)
+    code = cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "16",
+                     "--isolate", "always", "--checks-file", str(tmp_path / "checks.json")])
+    assert code == 0 and len(calls) == 1
+    assert "the estimate's process was killed by SIGABRT after it finished" in capsys.readouterr().err
+
+
 def test_estimate_check_at_is_validated():
     with pytest.raises(ValueError, match=r'check_at must be "auto", "batch" or "probes". Received: check_at=\'all\''):
         plan.estimate(small_model, 16, memory_bytes=2**30, check_at="all")
