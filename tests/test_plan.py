@@ -137,11 +137,24 @@ def test_cli_plan_module_function_and_keras_file(tmp_path, capsys):
         (["--model", "ResNet50"], "--input-shape is needed"),
         (["--model", "missing.keras"], "no such file"),
         (["--model", "no_such_module:f"], "cannot import it"),
+        (["--model", "ResNet50", "--input-shape", "32,32,3", "--micro-batch-sizes", "4,half"],
+         r"--micro-batch-sizes: '4,half'. Allowed: comma-separated row counts"),
+        (["--model", "ResNet50", "--input-shape", "32,32,3", "--limit-gpu"], "--limit-gpu needs --gpu-memory"),
     ],
 )
 def test_cli_plan_bad_input(argv, message):
     with pytest.raises(SystemExit, match=message):
         cli.main(["plan", "--batch-size", "8", *argv])
+
+
+def test_cli_plan_limit_gpu_says_when_there_is_no_gpu():
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU is present: --limit-gpu would limit it")
+    with pytest.raises(SystemExit, match="--limit-gpu: TensorFlow sees no GPU"):
+        cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "8",
+                  "--gpu-memory", "1GB", "--limit-gpu", "--isolate", "never"])
 
 
 def test_estimate_checks_under_xla_and_training_confirms_it(request):
