@@ -302,8 +302,8 @@ def _plan_in_child(args) -> int:
         if code < 0 and finished.get("run") == run:  # killed after it had finished
             print(f"kvram plan: the estimate's process {_describe(code)} after it finished", file=sys.stderr)
             code = finished["code"]
-        if code >= 0:
-            if own and code == 0:
+        if code >= 0:  # it ended by itself: the estimate done, or refused
+            if own:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
             return code
         made = len(_checks_file(path)["checks"])

@@ -237,7 +237,9 @@ def estimate(
             process died (TensorFlow's GPU allocator can abort the process
             after a step that ran out of memory) reuses the checks already
             made. A check is reused only for the same model (name, input
-            shape, segments), loss, precision, rows, XLA or not, and runs.
+            shape, segments), loss, precision, rows, XLA or not, runs,
+            device and its memory limit, and TensorFlow, Keras and kvram
+            versions.
         verbose: print each stage as it ends, with the seconds since the start,
             on standard error (kept in `Estimate.log` either way).
 
@@ -383,10 +385,14 @@ class _Checker:
     def __init__(self, model, chain, batches, loss, jit, exact, log, store=None, identity=()):
         self.model, self.chain, self.batches, self.jit, self.exact, self.log = (
             model, chain, batches, jit, exact, log)
-        # checks kept across processes, under what identifies the step
-        self.store, self.identity = store or _CheckStore(None, log), identity
         self.loss, self.loss_fn = loss, remat._loss_function(model, loss)
         self.device = memory._device_name(None)
+        # checks kept across processes, under what identifies the step: the
+        # device and its memory too (a step out of memory under one limit
+        # need not be under another), and the versions that compile it
+        self.store = store or _CheckStore(None, log)
+        self.identity = (*identity, self.device, memory.limit_bytes(self.device), tf.__version__,
+                         keras.__version__, _kvram_version())
         self.checks = {}
         self.name = "xla" if jit else "graph"
         # {rows: the least-memory runs a "fit" row's checked search found}
@@ -428,8 +434,8 @@ class _Checker:
         residual model recomputing three runs peaked at 4.0, 8.0, 32.0 and
         64.0 MiB at 8, 16, 32 and 64 rows, so the line through 8 and 16 rows
         gave half its peak at 64 rows (tests/test_plan.py's XLA estimate test,
-        when it checked at the probes, failed so one run in three). A third check out of the present device's memory leaves
-        the probes' line."""
+        when it checked at the probes, failed so one run in three). A third
+        check out of the present device's memory leaves the probes' line."""
         if self.exact or rows in self.batches:
             return self._check(rows)
         low_rows, high_rows = sorted(self.batches)
@@ -453,6 +459,12 @@ class _Checker:
             return max(value, line(high_rows, b, third_rows, c))
 
         return extrapolated
+
+
+def _kvram_version() -> str:
+    import kvram
+
+    return kvram.__version__
 
 
 class _CheckStore:
