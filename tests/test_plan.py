@@ -191,9 +191,13 @@ def test_estimate_checks_under_xla_and_training_confirms_it(request):
     assert result["peak_bytes"] <= 1.10 * memory, (result, memory)
 
 
-def test_estimate_extrapolates_xla_checks_from_the_probes():
+def test_estimate_extrapolates_xla_checks_from_the_probes(request):
     # XLA-compiled steps at 8, 16 and 32 rows, extrapolated to 64: the plain
-    # step's peak grows in proportion to the rows (8.0, 16.0, 32.0 MiB)
+    # step's peak grows in proportion to the rows (8.0, 16.0, 32.0 MiB). In a
+    # process of its own: in the suite's, the direct check at 64 rows once
+    # read 70.7 MiB where it reads 64.9 alone (see in_own_process)
+    if in_own_process(request):
+        return
     batch = 64
     x = np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32")
     direct = remat.plan(small_model(), (x, np.arange(batch) % 10), budget_bytes=2**40, optimizer="adam",
