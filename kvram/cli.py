@@ -222,14 +222,22 @@ def _plan(args) -> int:
         )
     except ValueError as error:
         raise SystemExit(f"kvram plan: {error}") from None
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(found.to_json(), f, indent=2)
+
+    # the estimate printed and saved before --measure trains (a process that
+    # dies training keeps it)
+    print(found, flush=True)
+    save()
     if args.measure and found.recommended is not None:
         found.measured = plan.measure(
             build, found.recommended, args.batch_size, optimizer=args.optimizer, steps=args.steps
         )
-    print(found)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(found.to_json(), f, indent=2)
+        print(found.measured_line())
+        save()
     code = 0 if found.recommended is not None else 1
     if args.plan_child:
         # Done: said in the checks file, and the process ends here, before

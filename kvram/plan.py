@@ -141,12 +141,14 @@ class Estimate:
         if self.recommended is None:
             rows.append("nothing fits: use a smaller batch (or more micro-batches)")
         if self.measured:
-            m, plain = self.measured, self.measured["plain"]
-            rows.append(
-                f"measured, {m['steps']} steps on {m['device']}: recommended {_run(m)}, predicted "
-                f"peak {_size(self.recommended.predicted_peak_bytes)}; plain Keras {_run(plain)}"
-            )
+            rows.append(self.measured_line())
         return "\n".join(rows)
+
+    def measured_line(self) -> str:
+        """What `measure` found for the recommendation (`measured`), in a line."""
+        m, plain = self.measured, self.measured["plain"]
+        return (f"measured, {m['steps']} steps on {m['device']}: recommended {_run(m)}, predicted "
+                f"peak {_size(self.recommended.predicted_peak_bytes)}; plain Keras {_run(plain)}")
 
 
 def _size(n) -> str:

@@ -112,6 +112,9 @@ def test_cli_plan_keras_applications_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "<- recommended" in printed and "measured, 2 steps on CPU:0" in printed, printed
+    # the estimate printed once, before --measure trains (kept if training dies)
+    assert printed.count("<- recommended") == 1
+    assert printed.index("<- recommended") < printed.index("measured, 2 steps"), printed
     report = json.loads(out.read_text())
     assert sum(c["recommended"] for c in report["configurations"]) == 1
     assert report["measured"]["plain"]["peak_bytes"] > 0
