@@ -243,7 +243,7 @@ def _plan(args) -> int:
         # Done: said in the checks file, and the process ends here, before
         # TensorFlow's teardown (its GPU allocator aborted one at exit, after
         # the estimate was printed: benchmarks/results/plan_h200/README.md).
-        _mark_finished(args.checks_file, args.plan_child, code)
+        plan._CheckStore(args.checks_file).finish(args.plan_child, code)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -265,22 +265,15 @@ def _limit_gpu(memory_bytes: int) -> None:
         raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
 
 
-def _checks_file(path: str) -> dict:
+def _kept_checks(path: str):
+    """The checks file at `path` as `kvram.plan` reads it; empty where there is
+    none yet or it is not one (the child then refuses it and says why)."""
+    from kvram import plan
+
     try:
-        with open(path) as f:
-            saved = json.load(f)
-        return saved if isinstance(saved, dict) and isinstance(saved.get("checks"), dict) else {"checks": {}}
-    except (OSError, ValueError):
-        return {"checks": {}}
-
-
-def _mark_finished(path: str, run: str, code: int) -> None:
-    """Records in the checks file that the child `run` finished with `code`."""
-    saved = _checks_file(path)
-    saved["finished"] = {"run": run, "code": code}
-    with open(f"{path}.partial", "w") as f:
-        json.dump(saved, f, indent=1)
-    os.replace(f"{path}.partial", path)
+        return plan._CheckStore(path)
+    except ValueError:
+        return plan._CheckStore(None)
 
 
 def _plan_in_child(args) -> int:
@@ -304,9 +297,9 @@ def _plan_in_child(args) -> int:
     command = [sys.executable, "-m", "kvram", *args.argv, "--isolate", "never", "--checks-file", path,
                "--plan-child", run]
     for restart in range(_PLAN_RESTARTS + 1):
-        before = len(_checks_file(path)["checks"])
+        before = len(_kept_checks(path).checks)
         code = subprocess.call(command)
-        finished = _checks_file(path).get("finished") or {}
+        finished = _kept_checks(path).finished or {}
         if code < 0 and finished.get("run") == run:  # killed after it had finished
             print(f"kvram plan: the estimate's process {_describe(code)} after it finished", file=sys.stderr)
             code = finished["code"]
@@ -314,7 +307,7 @@ def _plan_in_child(args) -> int:
             if own:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
             return code
-        made = len(_checks_file(path)["checks"])
+        made = len(_kept_checks(path).checks)
         if made == before or restart == _PLAN_RESTARTS:
             why = "with no new check since it started" if made == before else f"{restart + 1} times"
             print(f"kvram plan: the estimate's process {_describe(code)} {why}; stopped. Its {made} "

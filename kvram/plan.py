@@ -384,7 +384,7 @@ class _Checker:
     result extrapolated linearly in rows. A check out of the device's memory
     gives a `remat._OutOfMemory`."""
 
-    def __init__(self, model, chain, batches, loss, jit, exact, log, store=None, identity=()):
+    def __init__(self, model, chain, batches, loss, jit, exact, log, store, identity):
         self.model, self.chain, self.batches, self.jit, self.exact, self.log = (
             model, chain, batches, jit, exact, log)
         self.loss, self.loss_fn = loss, remat._loss_function(model, loss)
@@ -392,7 +392,7 @@ class _Checker:
         # checks kept across processes, under what identifies the step: the
         # device and its memory too (a step out of memory under one limit
         # need not be under another), and the versions that compile it
-        self.store = store or _CheckStore(None, log)
+        self.store = store
         self.identity = (*identity, self.device, memory.limit_bytes(self.device), tf.__version__,
                          keras.__version__, _kvram_version())
         self.checks = {}
@@ -473,21 +473,23 @@ class _CheckStore:
     """Checks' results kept in a JSON file (`estimate`'s checks_file), each
     written as soon as it is made (to a temporary file, then renamed: a
     process killed while writing leaves the previous file whole). Without a
-    file, nothing is kept."""
+    file, nothing is kept. `finished`: which `kvram plan` child process
+    finished the estimate, and its exit code (`finish`)."""
 
-    def __init__(self, path, log):
-        self.path, self.checks = path, {}
+    def __init__(self, path, log=None):
+        self.path, self.checks, self.finished = path, {}, None
         if path and os.path.exists(path):
             try:
                 with open(path) as f:
                     saved = json.load(f)
-                self.checks = dict(saved["checks"])
-            except (OSError, ValueError, KeyError, TypeError) as error:
+                self.checks, self.finished = dict(saved["checks"]), saved.get("finished")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
                 raise ValueError(
                     f"checks_file {path!r} is not a checks file kvram wrote ({error}). "
                     "Allowed: a file an earlier estimate wrote, or a path not yet there."
                 ) from None
-            log(f"{len(self.checks)} check(s) read from {path}")
+            if log is not None:
+                log(f"{len(self.checks)} check(s) read from {path}")
 
     def get(self, key):
         """The check kept under `key` (`_Checker`'s), or None."""
@@ -500,12 +502,17 @@ class _CheckStore:
         self.checks[key] = {"out_of_memory": int(peak)} if isinstance(peak, remat._OutOfMemory) else int(peak)
         self._save()
 
+    def finish(self, run, code):
+        """Says that the process `run` finished the estimate with exit `code`."""
+        self.finished = {"run": run, "code": code}
+        self._save()
+
     def _save(self):
         if not self.path:
             return
         partial = f"{self.path}.partial"
         with open(partial, "w") as f:
-            json.dump({"kvram_checks": 1, "checks": self.checks}, f, indent=1)
+            json.dump({"kvram_checks": 1, "checks": self.checks, "finished": self.finished}, f, indent=1)
         os.replace(partial, self.path)
 
 

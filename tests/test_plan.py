@@ -340,7 +340,7 @@ def test_cli_plan_child_killed_after_it_finished_is_not_started_again(tmp_path, 
     def finished_then_killed(command):
         calls.append(command)
         path, run = command[command.index("--checks-file") + 1], command[command.index("--plan-child") + 1]
-        cli._mark_finished(path, run, 0)
+        plan._CheckStore(path).finish(run, 0)
         return -6
 
     monkeypatch.setattr(subprocess, "call", finished_then_killed)
