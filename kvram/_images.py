@@ -135,7 +135,9 @@ def write_image_shards(
 
     Args:
         source: the folder of class sub-folders.
-        directory: where to write (must not exist unless `overwrite=True`).
+        directory: where to write, as for `write_shards`: a new path, an empty
+            directory, or (with `overwrite=True`) a kvram shard directory;
+            never anything else.
         size: int >= 1, the side of the square output.
         samples_per_shard: images per shard file.
         workers: decoding threads (default: the CPUs this process may use).

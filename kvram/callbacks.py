@@ -19,7 +19,7 @@ import tensorflow as tf
 from keras import tree
 from keras.src.utils import io_utils
 
-from kvram import _checks, memory
+from kvram import _batch_statistics, _checks, memory
 from kvram._train_function import TrainFunction, is_out_of_memory, unique
 
 __all__ = ["AdaptiveBatchSize", "MemoryLogger", "find_max_batch_size", "BatchSizeSearch"]
@@ -66,20 +66,22 @@ def _shapes(rows: int, size: int) -> set:
     return set(_slices(rows, size))
 
 
-def rungs(rows: int, low: int = 1, high: int | None = None) -> list:
+def rungs(rows: int, low: int = 1, high: int | None = None, least_slice: int = 1) -> list:
     """The micro-batch sizes worth using for a batch of `rows` rows, largest first.
 
     A size m runs ceil(rows / m) slices; the smallest size with that many slices,
     ceil(rows / k), runs the same k slices, near-equal, with less memory. So the
     sizes are ceil(rows / k) for k = 1, 2, ... (about 2 * sqrt(rows) of them),
-    within [low, high], and `low` itself.
+    within [low, high], and `low` itself; with `least_slice`, only sizes whose
+    last slice has at least that many rows (where any does).
     """
     high = rows if high is None else min(high, rows)
     sizes = {-(-rows // k) for k in range(1, rows + 1)}
     sizes = {m for m in sizes if low <= m <= high}
     if low <= rows:
         sizes.add(low)
-    return sorted(sizes, reverse=True) or [max(1, min(low, rows))]
+    whole = {m for m in sizes if rows % m == 0 or rows % m >= least_slice}
+    return sorted(whole or sizes, reverse=True) or [max(1, min(low, rows))]
 
 
 class AdaptiveBatchSize(keras.callbacks.Callback):
@@ -134,7 +136,10 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
     kept in `events` (see `MemoryLogger` for the CSV and plot).
 
     Args:
-        min_micro_batch: int >= 1, the smallest micro-batch to try.
+        min_micro_batch: int >= 1, the smallest micro-batch to try (raised to 2,
+            and sizes leaving a one-row last slice avoided, for a model with a
+            BatchNormalization over the batch axis alone: over one row its output
+            is constant).
         max_micro_batch: None or int >= min_micro_batch; default: the batch size.
         target_utilization: float in (0, 1], the share of the limit a step may peak at.
         memory_limit: None or int bytes, overrides the detected device limit.
@@ -208,6 +213,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         self._slice_seconds: tuple | None = None
         self._shape_seconds = 0.0
         self._seen: set = set()  # slice shapes (rows) that have run
+        self._least_slice = 1  # rows a slice needs for the model's batch statistics (on_train_begin)
         self._clock = time.perf_counter
 
     # --- Keras callback hooks -------------------------------------------------
@@ -221,6 +227,15 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
             )
         self._limit = self.memory_limit or memory.limit_bytes(self.device)
         self._measure_next = False  # the first step also traces and compiles
+        self._least_slice = _batch_statistics.least_rows(self.model)
+        if self.min_micro_batch < self._least_slice:
+            text = (f"AdaptiveBatchSize: min_micro_batch raised from {self.min_micro_batch} to "
+                    f"{self._least_slice}: a BatchNormalization layer normalises over the batch axis alone, "
+                    "and over one row its output would be constant")
+            _log.info(text)
+            if self.verbose:
+                io_utils.print_msg(text)
+            self.min_micro_batch = self._least_slice
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -246,7 +261,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
             self._per_row, self._fixed = used / size, 0.0  # proportional: no probe ran
         else:
             self._fixed = used - self._per_row * size  # the probes' slope, this step's level
-        ladder = rungs(self._rows, self.min_micro_batch, self.max_micro_batch)
+        ladder = rungs(self._rows, self.min_micro_batch, self.max_micro_batch, self._least_slice)
         if peak > self._shrink_line() and size > self.min_micro_batch:
             fitting = [r for r in ladder if r < size and self._fits(r, self._start_bytes)]
             new = self._pick(fitting) if fitting else ladder[-1]
@@ -280,7 +295,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
         """
         self._rows = max(self._rows, rows)
         if model.micro_batch_size is None:
-            ladder = rungs(rows, self.min_micro_batch, self.max_micro_batch)
+            ladder = rungs(rows, self.min_micro_batch, self.max_micro_batch, self._least_slice)
             size, predicted = ladder[0], None
             if self._can_probe(rows, probe):
                 size, predicted = self._first_size(rows, ladder, probe, input_bytes / rows)
@@ -437,7 +452,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
 
     def _at_most(self, rows: int, size: int) -> int:
         """The largest size on the ladder that is at most `size` (at least the minimum)."""
-        ladder = rungs(rows, self.min_micro_batch, self.max_micro_batch)
+        ladder = rungs(rows, self.min_micro_batch, self.max_micro_batch, self._least_slice)
         return next((r for r in ladder if r <= size), ladder[-1])
 
     def _change(self, kind: str, old, new: int, quiet: bool = False, **details) -> None:

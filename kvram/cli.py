@@ -80,24 +80,26 @@ def _demo(args) -> int:
 
 
 def _shards_write(args) -> int:
-    import numpy as np
-
     from kvram import data
 
     *sources, out = args.paths
+    understood = f"Understood: SRC {' '.join(sources) or '(none)'}, OUT {out}"
     if not sources:
-        raise SystemExit("kvram shards write: give one .npz or one or more .npy files, then OUT/")
+        raise SystemExit(f"kvram shards write: give one .npz or one or more .npy files, then OUT/. {understood}")
+    if out.endswith((".npz", ".npy")):
+        raise SystemExit(f"kvram shards write: OUT {out} is named like a source: the last path is the output "
+                         f"directory, so nothing was written. {understood}. Give OUT last: "
+                         "kvram shards write SRC.npz OUT/")
+    for source in sources:
+        if os.path.abspath(source) == os.path.abspath(out) or (
+                os.path.exists(source) and os.path.exists(out) and os.path.samefile(source, out)):
+            raise SystemExit(f"kvram shards write: OUT {out} is also a source; nothing was written. {understood}")
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise SystemExit(f"kvram shards write: OUT {out} is an existing file, not a directory; nothing was "
+                         f"written. {understood}")
     arrays = {}
     for source in sources:
-        if source.endswith(".npz"):
-            with np.load(source, allow_pickle=False) as bundle:
-                for name in bundle.files:
-                    arrays[name] = bundle[name]
-        elif source.endswith(".npy"):
-            name = os.path.splitext(os.path.basename(source))[0]
-            arrays[name] = np.load(source, mmap_mode="r", allow_pickle=False)
-        else:
-            raise SystemExit(f"kvram shards write: {source}: expected a .npz or .npy file")
+        arrays.update(_read_arrays(source))
     fields = args.fields.split(",") if args.fields else None
     dataset = data.write_shards(
         arrays, out, samples_per_shard=args.samples_per_shard, fields=fields,
@@ -105,6 +107,35 @@ def _shards_write(args) -> int:
     )
     print(dataset)
     return 0
+
+
+def _read_arrays(source: str) -> dict:
+    """{field: array} of a .npz (its arrays) or a .npy (one, named for the file), or a one-line error."""
+    import zipfile
+
+    import numpy as np
+
+    if not source.endswith((".npz", ".npy")):
+        raise SystemExit(f"kvram shards write: {source}: expected a .npz or .npy file")
+    if not os.path.isfile(source):
+        raise SystemExit(f"kvram shards write: {source}: no such file")
+    with open(source, "rb") as handle:
+        magic = handle.read(6)
+    kind, expected = (".npy", b"\x93NUMPY") if source.endswith(".npy") else (".npz", b"PK")
+    if not magic.startswith(expected):
+        what = "a .npy array file" if kind == ".npy" else "a zip of .npy arrays, as numpy.savez writes"
+        raise SystemExit(f"kvram shards write: {source}: not a {kind} file (expected {what})")
+    try:
+        if source.endswith(".npy"):
+            return {os.path.splitext(os.path.basename(source))[0]: np.load(source, mmap_mode="r", allow_pickle=False)}
+        with np.load(source, allow_pickle=False) as bundle:
+            arrays = {name: bundle[name] for name in bundle.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+        raise SystemExit(f"kvram shards write: {source}: not an array file numpy can read without pickle "
+                         f"({type(error).__name__}: {error})") from None
+    if not arrays:
+        raise SystemExit(f"kvram shards write: {source} holds no arrays: nothing to write")
+    return arrays
 
 
 def _shards_write_images(args) -> int:
@@ -354,7 +385,10 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvram", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvram", description=__doc__,
+        epilog="A mistake in the input ends a command with one line on stderr and exit code 1 "
+               "(2 for a bad option); KVRAM_TRACEBACK=1 shows the traceback instead.")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="TF/Keras versions, devices, GPU memory, NVML status")
     info.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -441,14 +475,28 @@ def build_parser() -> argparse.ArgumentParser:
                           help="after a failure, SIGTERM the others and SIGKILL after this")
     launcher.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
     launcher.set_defaults(func=_launch)
+    for command in (info, demo, planner, write, images, inspect, launcher):
+        command.set_defaults(prog=command.prog)  # "kvram shards write": what its errors begin with
     return parser
+
+
+# A user's mistake (a bad path, a file that is not what it should be, a value
+# out of range) ends a command with one line and exit code 1, not a traceback.
+# KVRAM_TRACEBACK=1 shows the traceback instead.
+_USER_ERRORS = (ValueError, TypeError, OSError)
 
 
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for a command run again in a child
-    return args.func(args)
+    try:
+        return args.func(args)
+    except _USER_ERRORS as error:
+        if os.environ.get("KVRAM_TRACEBACK"):
+            raise
+        print(f"{args.prog}: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ names inside the directory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import json
@@ -34,7 +35,16 @@ import numpy as np
 
 from kvram import _verify
 
-__all__ = ["write_shards", "write_image_shards", "decode_jpeg", "ShardedDataset", "ShardError", "FORMAT", "VERSION"]
+__all__ = [
+    "write_shards",
+    "write_image_shards",
+    "decode_jpeg",
+    "ShardedDataset",
+    "ShardError",
+    "raise_shard_errors",
+    "FORMAT",
+    "VERSION",
+]
 
 FORMAT = "kvram-shards"
 VERSION = 1
@@ -42,11 +52,65 @@ INDEX = "index.json"
 
 
 class ShardError(ValueError):
-    """A shard directory that does not match its index. `path` names the file."""
+    """A shard directory that does not match its index. `path` names the file.
+
+    Raised as it is by `ShardedDataset` itself (opening, `read`, `verify`) and
+    by `kvram.Model`'s `fit`, `evaluate` and `predict`. A batch read inside
+    `tf.data` reaches the loop that iterates it as TensorFlow's
+    `InvalidArgumentError` wrapping this error; `raise_shard_errors()` turns it
+    back into the `ShardError` (for plain Keras models and your own loops).
+    """
 
     def __init__(self, path: str, message: str):
         super().__init__(f"{path}: {message}")
         self.path = path
+        self.reason = message
+        with _RAISED_LOCK:
+            _RAISED[str(self)] = (path, message)
+            while len(_RAISED) > 64:
+                _RAISED.pop(next(iter(_RAISED)))
+
+
+# The shard errors made in this process, by message: what a TensorFlow error's
+# message is searched for (tf.data keeps only the text of an error raised in a
+# numpy_function).
+_RAISED: dict = {}
+_RAISED_LOCK = threading.Lock()
+
+
+def shard_error_in(error: BaseException) -> "ShardError | None":
+    """The `ShardError` behind a TensorFlow error raised while reading shards
+    inside `tf.data`, or None when it has none."""
+    text = str(error)
+    with _RAISED_LOCK:
+        found = [value for message, value in _RAISED.items() if message in text]
+    if not found:
+        return None
+    path, message = found[-1]
+    return ShardError(path, message)
+
+
+@contextlib.contextmanager
+def raise_shard_errors():
+    """Inside it, a TensorFlow error that a shard's failed check caused while
+    `tf.data` read a batch is raised as that `ShardError` (the TensorFlow
+    error as its `__cause__`); other errors pass unchanged. `kvram.Model`'s
+    `fit`, `evaluate` and `predict` run inside it already.
+
+    Example:
+        with kvram.data.raise_shard_errors():
+            for x, y in dataset.to_tf_dataset(256):
+                ...
+    """
+    import tensorflow as tf
+
+    try:
+        yield
+    except tf.errors.OpError as error:
+        found = shard_error_in(error)
+        if found is None:
+            raise
+        raise found from error
 
 
 # --------------------------------------------------------------------------- writing
@@ -121,12 +185,17 @@ def write_shards(
             "y", "sample_weight" unless `fields` names them), a dict of arrays,
             or an iterable of such batches, so that a dataset larger than RAM is
             written in one pass with one shard in memory at a time.
-        directory: where to write; must not exist unless `overwrite=True`.
+        directory: where to write: a new path or an empty directory; an
+            existing kvram shard directory only with `overwrite=True`.
+            Anything else there (a file, a directory of other files) is
+            never replaced: `FileExistsError` says what is there.
         samples_per_shard: int >= 1, samples per shard file (the last may hold fewer).
         fields: None or names for the source's arrays (for a dict: which keys, in order).
         checksum: store each file's SHA-256 (checked by `ShardedDataset.verify`)
             and XXH3-128 (checked when a `ShardedDataset` first reads the file).
-        overwrite: replace an existing directory (only once the new one is complete).
+        overwrite: replace an existing kvram shard directory, one that holds
+            only the files its `index.json` lists (only once the new one is
+            complete).
         verbose: 0 or 1, progress bar.
 
     The write is atomic: shards and index go to a temporary directory next to
@@ -143,15 +212,12 @@ def write_shards(
 
     samples_per_shard = _checks.positive_int("samples_per_shard", samples_per_shard)
     directory = os.path.abspath(os.fspath(directory))
-    if os.path.exists(directory) and not overwrite:
-        raise FileExistsError(
-            f"{directory} exists; pass overwrite=True to replace it. Received: directory={directory!r}"
-        )
+    check_target(directory, overwrite)
     names = None if fields is None else tuple(str(f) for f in fields)
     batches, total = _batches(source, names)
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.partial-", dir=parent)
+    staging = _make_staging(parent, os.path.basename(directory))
     lock = None
     try:
         lock = _lock_staging(staging)
@@ -164,15 +230,15 @@ def write_shards(
             handle.flush()
             os.fsync(handle.fileno())
         os.remove(os.path.join(staging, _LOCK))  # still held (by its open handle) until the end
-        if os.path.exists(directory):
-            if not overwrite:  # another writer finished first
-                raise FileExistsError(
-                    f"{directory} was written by another writer while this one wrote; "
-                    "pass overwrite=True to replace it. Received: directory="
-                    f"{directory!r}"
-                )
+        if os.path.lexists(directory):  # as checked at the start, or what another writer put there since
+            check_target(directory, overwrite, while_writing=True)
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
-            os.replace(directory, os.path.join(old, "d"))
+            aside = os.path.join(old, "d")
+            os.replace(directory, aside)
+            if _not_ours(aside):  # it changed between the check and the move: put it back
+                os.replace(aside, directory)
+                os.rmdir(old)
+                check_target(directory, overwrite, while_writing=True)
             os.replace(staging, directory)
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -186,6 +252,83 @@ def write_shards(
     with warnings.catch_warnings():  # the caller chose checksum=False; no warning here
         warnings.filterwarnings("ignore", message=".*have no checksum in the index")
         return ShardedDataset(directory)
+
+
+def check_target(directory: str, overwrite: bool, while_writing: bool = False) -> None:
+    """Refuses to write shards to `directory` unless nothing would be lost:
+    it does not exist, is an empty directory, or (with `overwrite`) is a
+    kvram shard directory holding only what its index lists. Anything else
+    (a file, a link, a directory of other files) is never replaced, whatever
+    `overwrite` says: the error names what is there."""
+    if not os.path.lexists(directory):
+        return
+    foreign = _not_ours(directory)
+    if foreign == "":  # an empty directory: nothing in it to lose
+        return
+    if foreign is not None:
+        raise FileExistsError(
+            f"{directory} exists and is not a kvram shard directory: {foreign}. kvram replaces only "
+            "shard directories it wrote, with or without overwrite=True; nothing was written. "
+            f"Choose a new directory for the shards. Received: directory={directory!r}"
+        )
+    if not overwrite:
+        first = "was written by another writer while this one wrote" if while_writing else "exists"
+        raise FileExistsError(
+            f"{directory} {first} (a kvram shard directory); pass overwrite=True to replace it. "
+            f"Received: directory={directory!r}"
+        )
+
+
+def _not_ours(directory: str) -> str | None:
+    """None when `directory` is a kvram shard directory holding only the files
+    its index lists (and `report.json` of image shards); "" when it is an empty
+    directory; else what is there, in words."""
+    if os.path.islink(directory):
+        return f"it is a symbolic link to {os.readlink(directory)!r}"
+    if not os.path.isdir(directory):
+        kind = "a file" if os.path.isfile(directory) else "not a directory"
+        size = f" of {os.path.getsize(directory):,} bytes" if os.path.isfile(directory) else ""
+        return f"it is {kind}{size}"
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError as error:
+        return f"it cannot be listed ({error.strerror or error})"
+    if not entries:
+        return ""
+
+    def named(names):
+        shown = [n + ("/" if os.path.isdir(os.path.join(directory, n)) else "") for n in names[:5]]
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        return ", ".join(shown) + more
+
+    try:
+        with open(os.path.join(directory, INDEX)) as handle:
+            index = json.load(handle)
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise ValueError(index.get("format") if isinstance(index, dict) else None)
+        listed = {INDEX} | {f["name"] for shard in index["shards"] for f in shard["files"].values()}
+        if "report" in index:
+            listed.add("report.json")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"it holds {named(entries)} and no kvram {INDEX}"
+    others = [e for e in entries if e not in listed or not os.path.isfile(os.path.join(directory, e))]
+    if others:
+        return f"besides its shards it holds {named(others)}, which its {INDEX} does not list"
+    return None
+
+
+def _make_staging(parent: str, name: str) -> str:
+    """A new temporary directory beside the target, made by a plain `mkdir`
+    (the umask's permissions, as the user's own directories get: `mkdtemp`'s
+    0o700 would stay on the shard directory once it is renamed into place)."""
+    for _ in range(100):
+        path = os.path.join(parent, f".{name}.partial-{os.urandom(4).hex()}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"No unused temporary directory name .{name}.partial-* in {parent}")
 
 
 _LOCK = ".writing"

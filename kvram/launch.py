@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -188,6 +189,7 @@ def launch(command, workers: int, gpus="auto", max_restarts: int = 0, grace_seco
 
     Raises:
         ValueError: for bad arguments, or fewer GPUs than workers.
+        FileNotFoundError: `command[0]` is neither on PATH nor an executable file.
     """
     if isinstance(command, str) or not command or not all(isinstance(c, str) for c in command):
         raise ValueError(
@@ -199,6 +201,11 @@ def launch(command, workers: int, gpus="auto", max_restarts: int = 0, grace_seco
             raise ValueError(f"`{name}` must be an int >= {least}. Received: {name}={value!r}")
     if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or grace_seconds < 0:
         raise ValueError(f"`grace_seconds` must be a number >= 0. Received: grace_seconds={grace_seconds!r}")
+    if shutil.which(command[0]) is None:
+        raise FileNotFoundError(
+            f"{command[0]}: no such command (not on PATH, nor an executable file); no worker was "
+            f"started. Received: command={command!r}"
+        )
     assigned = _gpus_for(workers, gpus)
     out = out or sys.stdout
     lock = threading.Lock()

@@ -16,7 +16,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kvram import _checks, _train_function
+from kvram import _batch_statistics, _checks, _train_function, data
 
 __all__ = ["Model"]
 
@@ -169,6 +169,9 @@ class Model(keras.Model):
             # NaN/Inf inputs (0 again after a step that is applied).
             self._skip_run = counter("kvram_skip_run")
             self._skip_run_bad_inputs = counter("kvram_skip_run_bad_inputs")
+        self._slice_warnings: set = set()
+        if self._micro_batch_size is not None and self.built:  # a functional model: its layers are known
+            _batch_statistics.check_slices(self, self._micro_batch_size, said=self._slice_warnings)
 
     def _kvram_counters(self) -> list:
         """kvram's own step counters (restored with the step after an OOM)."""
@@ -189,6 +192,8 @@ class Model(keras.Model):
         value = _checks.positive_int("micro_batch_size", value, allow_none=True)
         if value is not None:
             _check_mean_reductions(getattr(self, "loss", None))
+            if self.built:
+                _batch_statistics.check_slices(self, value, said=self._slice_warnings)
         self._micro_batch_size = value
         function = getattr(self, "train_function", None)
         if function is not None and not isinstance(function, _train_function.TrainFunction):
@@ -293,9 +298,18 @@ class Model(keras.Model):
                     # The prefetch hides the dataset's size from Keras, which then
                     # warns at the end of the first epoch that the data ran out.
                     warnings.filterwarnings("ignore", message="Your input ran out of data")
-                return super().fit(x, *args, **kwargs)
+                with data.raise_shard_errors():
+                    return super().fit(x, *args, **kwargs)
         finally:
             self._batch_controller = None
+
+    def evaluate(self, *args, **kwargs):
+        with data.raise_shard_errors():  # a failed shard check as kvram.data.ShardError
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with data.raise_shard_errors():
+            return super().predict(*args, **kwargs)
 
     def _prefetched(self, x):
         """`x` prefetched to the GPU (see `prefetch_to_gpu`), or `x` unchanged."""
@@ -355,6 +369,8 @@ class Model(keras.Model):
                 "(AdaptiveBatchSize). Use micro_batch_size=None and no AdaptiveBatchSize, "
                 "or move the custom logic into call()/compute_loss()."
             )
+        if self._micro_batch_size is not None and self.built:  # built by fit() by now
+            _batch_statistics.check_slices(self, self._micro_batch_size, said=self._slice_warnings)
         self.train_function = _train_function.TrainFunction(self)
         return self.train_function
 
@@ -492,6 +508,8 @@ class Model(keras.Model):
                 return tree.map_structure(lambda t: None if t is None else t[start : start + size], data), size
 
             sums = loop(tf.cast((rows + m - 1) // m, tf.int32), take)
+        if isinstance(micro_batch_size, int):  # traced: the layers are built now
+            _batch_statistics.check_slices(self, micro_batch_size, static_rows, said=self._slice_warnings)
         return [s if p else None for s, p in zip(sums, present)]
 
     def _slice_function(self):

@@ -81,7 +81,13 @@ class Segment:
 def _functional(model):
     """`model`'s functional graph (a Sequential model's inner one), or a clear error."""
     if isinstance(model, keras.Sequential):
-        model = getattr(model, "_functional", None) or model
+        if getattr(model, "_functional", None) is None:
+            raise ValueError(
+                f"Sequential model {model.name!r} has no input shape yet, so it has no layer graph to "
+                "cut. Give it one: keras.Input(shape) as its first layer, or "
+                "model.build((None, *shape)) before planning."
+            )
+        model = model._functional
     if not isinstance(model, keras.Model):
         raise TypeError(
             "Expected a functional keras.Model (keras.applications, keras.Model(inputs, outputs), "
@@ -673,7 +679,16 @@ def _batch(sample_batch):
     x = tf.convert_to_tensor(x)
     if x.shape.rank is None or x.shape.rank < 1 or x.shape[0] == 0:
         raise ValueError(f"sample_batch's x must have a batch dimension of >= 1 rows. Received shape {x.shape}.")
-    return x, (None if y is None else tf.convert_to_tensor(y))
+    if y is None:
+        return x, None
+    y = tf.convert_to_tensor(y)
+    if y.shape.rank is None or y.shape.rank < 1 or y.shape[0] != x.shape[0]:
+        raise ValueError(
+            "sample_batch's x and y must hold the same rows, one target per sample. Received: x of "
+            f"shape {tuple(x.shape)} ({x.shape[0]} rows), y of shape {tuple(y.shape)}"
+            f"{f' ({y.shape[0]} rows)' if y.shape.rank else ''}."
+        )
+    return x, y
 
 
 def _loss_function(model, loss):

@@ -1,4 +1,8 @@
 import json
+import os
+import sys
+
+import pytest
 
 from kvram import cli
 
@@ -35,3 +39,141 @@ def test_demo_rejects_bad_numbers(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--epochs", "0"])
     assert "must be >= 1" in capsys.readouterr().err
+
+
+# kvram shards write: OUT is the last path, and only a kvram shard directory is replaced
+
+
+def _run(argv, capsys):
+    """(exit code, stderr) of `kvram ARGV`, as the console script ends: a
+    SystemExit with a message prints it to stderr and exits with 1."""
+    capsys.readouterr()
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit:
+        code = exit.code
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+            code = 1
+    return code, capsys.readouterr().err
+
+
+def _npy(path, rows=6):
+    import numpy as np
+
+    np.save(path, np.arange(rows * 2, dtype="float32").reshape(rows, 2))
+    return path.read_bytes()
+
+
+def test_a_forgotten_out_does_not_destroy_a_source(tmp_path, capsys):
+    x, y = tmp_path / "x.npy", tmp_path / "y.npy"
+    saved = {x: _npy(x), y: _npy(y)}
+    code, err = _run(["shards", "write", str(x), str(y), "--overwrite"], capsys)
+    assert code == 1
+    assert err == (
+        f"kvram shards write: OUT {y} is named like a source: the last path is the output directory, "
+        f"so nothing was written. Understood: SRC {x}, OUT {y}. Give OUT last: kvram shards write "
+        "SRC.npz OUT/\n"
+    )
+    assert {p: p.read_bytes() for p in saved} == saved and sorted(os.listdir(tmp_path)) == ["x.npy", "y.npy"]
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_out_that_is_a_source_or_a_file_is_refused(tmp_path, capsys, overwrite):
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"user data")
+    x = tmp_path / "x.npy"
+    saved = _npy(x)
+    code, err = _run(["shards", "write", str(x), str(data), *overwrite], capsys)
+    assert code == 1
+    assert err == (
+        f"kvram shards write: OUT {data} is an existing file, not a directory; nothing was written. "
+        f"Understood: SRC {x}, OUT {data}\n"
+    )
+    link = tmp_path / "x-link"
+    os.symlink(x, link)
+    code, err = _run(["shards", "write", str(x), str(link), *overwrite], capsys)
+    assert code == 1
+    assert err == (
+        f"kvram shards write: OUT {link} is also a source; nothing was written. Understood: SRC {x}, "
+        f"OUT {link}\n"
+    )
+    assert data.read_bytes() == b"user data" and x.read_bytes() == saved
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_out_that_is_a_users_directory_is_refused(tmp_path, capsys, overwrite):
+    x = tmp_path / "x.npy"
+    _npy(x)
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "thesis.tex").write_text("\\chapter{One}")
+    code, err = _run(["shards", "write", str(x), str(user), *overwrite], capsys)
+    assert code == 1
+    assert err == (
+        f"kvram shards write: {user} exists and is not a kvram shard directory: it holds thesis.tex and "
+        "no kvram index.json. kvram replaces only shard directories it wrote, with or without "
+        "overwrite=True; nothing was written. Choose a new directory for the shards. "
+        f"Received: directory={str(user)!r}\n"
+    )
+    assert os.listdir(user) == ["thesis.tex"] and (user / "thesis.tex").read_text() == "\\chapter{One}"
+
+
+def test_overwrite_replaces_a_shard_directory(tmp_path, capsys):
+    from kvram.data import ShardedDataset
+
+    x = tmp_path / "x.npy"
+    _npy(x, rows=6)
+    out = tmp_path / "out"
+    assert _run(["shards", "write", str(x), str(out)], capsys)[0] == 0
+    code, err = _run(["shards", "write", str(x), str(out)], capsys)
+    assert code == 1 and err == (
+        f"kvram shards write: {out} exists (a kvram shard directory); pass overwrite=True to replace it. "
+        f"Received: directory={str(out)!r}\n"
+    )
+    _npy(x, rows=3)
+    assert _run(["shards", "write", str(x), str(out), "--overwrite"], capsys)[0] == 0
+    assert len(ShardedDataset(out)) == 3
+
+
+def test_bad_sources_end_in_one_line(tmp_path, capsys):
+    import numpy as np
+
+    out = tmp_path / "out"
+    code, err = _run(["shards", "write", str(tmp_path / "nosuch.npz"), str(out)], capsys)
+    assert code == 1 and err == f"kvram shards write: {tmp_path / 'nosuch.npz'}: no such file\n"
+    np.savez(tmp_path / "empty.npz")
+    code, err = _run(["shards", "write", str(tmp_path / "empty.npz"), str(out)], capsys)
+    assert code == 1 and err == f"kvram shards write: {tmp_path / 'empty.npz'} holds no arrays: nothing to write\n"
+    (tmp_path / "text.npz").write_text("not a zip")
+    code, err = _run(["shards", "write", str(tmp_path / "text.npz"), str(out)], capsys)
+    assert code == 1 and err == (
+        f"kvram shards write: {tmp_path / 'text.npz'}: not a .npz file (expected a zip of .npy arrays, as "
+        "numpy.savez writes)\n")
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    code, err = _run(["shards", "write", str(tmp_path / "objects.npy"), str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith(f"kvram shards write: {tmp_path / 'objects.npy'}: not an array file numpy can read "
+                          "without pickle (ValueError: ")
+    assert not out.exists()
+
+
+def test_a_user_error_from_any_command_is_one_line(tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    bad = tmp_path / "ragged.npz"
+    np.savez(bad, x=np.zeros((4, 2)), y=np.zeros(3))
+    code, err = _run(["shards", "write", str(bad), str(tmp_path / "out")], capsys)
+    assert code == 1 and err == (
+        "kvram shards write: All fields must hold the same number of samples. Received: {'x': 4, 'y': 3}\n")
+    monkeypatch.setenv("KVRAM_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="same number of samples"):
+        cli.main(["shards", "write", str(bad), str(tmp_path / "out")])
+
+
+def test_launch_of_a_command_that_does_not_exist_is_one_line(capsys):
+    code, err = _run(["launch", "--workers", "2", "--gpus", "none", "--", "nosuchcmd", "--flag"], capsys)
+    assert code == 1 and err == (
+        "kvram launch: nosuchcmd: no such command (not on PATH, nor an executable file); no worker was "
+        "started. Received: command=['nosuchcmd', '--flag']\n"
+    )

@@ -342,7 +342,7 @@ def test_a_flipped_byte_stops_fit(shards, tmp_path):
     inputs = keras.Input((4,))
     model = kvram.Model(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(Exception, match=r"x-00003.npy: checksum mismatch.*Samples 300 to 399"):
+    with pytest.raises(ShardError, match=r"x-00003.npy: checksum mismatch.*Samples 300 to 399"):
         model.fit(ShardedDataset(data.directory).to_tf_dataset(100, shuffle=False), verbose=0)
 
 
@@ -706,3 +706,140 @@ def test_cli_write_and_inspect(tmp_path, capsys):
     os.remove(tmp_path / "out" / "label-00001.npy")
     assert main(["shards", "inspect", str(tmp_path / "out")]) == 1
     assert "label-00001.npy: missing" in capsys.readouterr().err
+
+
+# Nothing lost: what `overwrite` may replace
+
+
+def _tree(root) -> dict:
+    """{relative path: bytes, or None for a directory} of everything under `root`."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for d in dirs:
+            found[os.path.relpath(os.path.join(folder, d), root)] = None
+        for f in files:
+            with open(os.path.join(folder, f), "rb") as handle:
+                found[os.path.relpath(os.path.join(folder, f), root)] = handle.read()
+    return found
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_users_directory_is_never_replaced(tmp_path, overwrite):
+    user = tmp_path / "userdir"
+    (user / "chapters").mkdir(parents=True)
+    (user / "thesis.tex").write_text("\\chapter{Four years}")
+    (user / "chapters" / "one.tex").write_bytes(b"\x00\x01data")
+    before = _tree(tmp_path)
+    x, y, _ = arrays(20)
+    with pytest.raises(FileExistsError, match=r"userdir exists and is not a kvram shard directory: it "
+                       r"holds chapters/, thesis.tex and no kvram index.json\. kvram replaces only shard "
+                       r"directories it wrote, with or without overwrite=True; nothing was written"):
+        write_shards((x, y), user, overwrite=overwrite, verbose=0)
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_existing_file_is_never_replaced(tmp_path, overwrite):
+    target = tmp_path / "notes.txt"
+    target.write_text("keep me")
+    x, y, _ = arrays(20)
+    with pytest.raises(FileExistsError, match=r"notes.txt exists and is not a kvram shard directory: it is "
+                       r"a file of 7 bytes\."):
+        write_shards((x, y), target, overwrite=overwrite, verbose=0)
+    assert _tree(tmp_path) == {"notes.txt": b"keep me"}
+
+
+def test_a_shard_directory_with_a_users_file_in_it_is_not_replaced(tmp_path):
+    x, y, _ = arrays(20)
+    data = write_shards((x, y), tmp_path / "s", samples_per_shard=10, verbose=0)
+    with open(os.path.join(data.directory, "README.txt"), "w") as handle:
+        handle.write("what these shards are")
+    before = _tree(tmp_path)
+    with pytest.raises(FileExistsError, match=r"besides its shards it holds README.txt, which its "
+                       r"index.json does not list"):
+        write_shards((x[:5], y[:5]), data.directory, overwrite=True, verbose=0)
+    assert _tree(tmp_path) == before
+
+
+def test_a_directory_with_another_programs_index_is_not_replaced(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "index.json").write_text('{"format": "something-else", "shards": []}')
+    x, y, _ = arrays(20)
+    with pytest.raises(FileExistsError, match="it holds index.json and no kvram index.json"):
+        write_shards((x, y), other, overwrite=True, verbose=0)
+    assert (other / "index.json").read_text() == '{"format": "something-else", "shards": []}'
+
+
+def test_a_link_is_not_replaced(tmp_path):
+    x, y, _ = arrays(20)
+    data = write_shards((x, y), tmp_path / "s", verbose=0)
+    os.symlink(data.directory, tmp_path / "link")
+    with pytest.raises(FileExistsError, match=r"it is a symbolic link to '.*s'"):
+        write_shards((x, y), tmp_path / "link", overwrite=True, verbose=0)
+    assert os.path.islink(tmp_path / "link") and len(ShardedDataset(data.directory)) == 20
+
+
+def test_overwrite_replaces_a_shard_directory_and_an_empty_one_is_used(tmp_path):
+    x, y, _ = arrays(20)
+    (tmp_path / "empty").mkdir()
+    assert len(write_shards((x, y), tmp_path / "empty", verbose=0)) == 20
+    data = write_shards((x, y), tmp_path / "s", samples_per_shard=3, verbose=0)
+    with pytest.raises(FileExistsError, match=r"s exists \(a kvram shard directory\); pass overwrite=True"):
+        write_shards((x[:5], y[:5]), data.directory, verbose=0)
+    os.remove(os.path.join(data.directory, "x-00002.npy"))  # a listed file gone: still kvram's own
+    assert len(write_shards((x[:5], y[:5]), data.directory, overwrite=True, verbose=0)) == 5
+    assert sorted(os.listdir(tmp_path)) == ["empty", "s"]
+
+
+def test_shard_directories_get_a_plain_mkdirs_permissions(tmp_path):
+    x, y, _ = arrays(20)
+    old = os.umask(0o022)
+    try:
+        data = write_shards((x, y), tmp_path / "s", verbose=0)
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(old)
+    mode = os.stat(data.directory).st_mode & 0o777
+    assert mode == 0o755 == os.stat(tmp_path / "plain").st_mode & 0o777
+    for name in os.listdir(data.directory):
+        assert os.stat(os.path.join(data.directory, name)).st_mode & 0o777 == 0o644
+
+
+# Errors a user can catch
+
+
+def test_a_shard_error_while_iterating_is_caught_as_shard_error(shards):
+    _flip_a_byte(os.path.join(shards.directory, "x-00001.npy"), offset_from_end=5)
+    kvram.data._verify.forget_checked()
+    dataset = ShardedDataset(shards.directory).to_tf_dataset(100, shuffle=False)
+    with pytest.raises(tf.errors.InvalidArgumentError):  # what tf.data raises, wrapping it
+        epoch(dataset)
+    with pytest.raises(ShardError, match=r"x-00001.npy: checksum mismatch") as caught:
+        with kvram.data.raise_shard_errors():
+            epoch(dataset)
+    assert caught.value.path == os.path.join(shards.directory, "x-00001.npy")
+    assert isinstance(caught.value.__cause__, tf.errors.InvalidArgumentError)
+    with pytest.raises(ZeroDivisionError):  # other errors pass unchanged
+        with kvram.data.raise_shard_errors():
+            1 / 0
+
+
+def test_a_shard_deleted_mid_read_is_caught_as_shard_error_from_fit(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((400, 4)).astype("float32")
+    data = write_shards((x, x[:, :1]), tmp_path / "fit", samples_per_shard=100, verbose=0)
+    dataset = ShardedDataset(data.directory, verify_on_read=False)
+    os.remove(os.path.join(data.directory, "x-00002.npy"))
+    inputs = keras.Input((4,))
+    model = kvram.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ShardError, match=r"x-00002.npy: cannot be read \(No such file or directory\)"):
+        model.fit(dataset.to_tf_dataset(100, shuffle=False), verbose=0)
+    with pytest.raises(ShardError, match=r"x-00002.npy: cannot be read"):
+        model.evaluate(dataset.to_tf_dataset(100, shuffle=False), verbose=0)
+    plain = keras.Model(inputs, model.outputs)  # plain Keras: inside raise_shard_errors
+    plain.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ShardError, match=r"x-00002.npy: cannot be read"):
+        with kvram.data.raise_shard_errors():
+            plain.fit(dataset.to_tf_dataset(100, shuffle=False), verbose=0)

@@ -186,6 +186,29 @@ def test_cli_write_images(folder, tmp_path, capsys):
     assert dataset.fields["x"][1] == (24, 24, 3) and dataset.index["classes"] == ["cat", "dog"]
     with pytest.raises(SystemExit, match="kvram shards write-images: .* exists"):
         cli.main(["shards", "write-images", str(source), str(tmp_path / "out")])
+    # image shards (their report.json too) are replaced with --overwrite
+    assert cli.main(["shards", "write-images", str(source), str(tmp_path / "out"), "--size", "16",
+                     "--overwrite"]) == 0
+    assert data.ShardedDataset(tmp_path / "out").fields["x"][1] == (16, 16, 3)
+
+
+def _files(root) -> dict:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_write_images_never_replaces_the_source_or_a_users_directory(folder, tmp_path):
+    source, _ = folder
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "thesis.tex").write_text("keep")
+    before = _files(tmp_path)
+    for out, held in ((source, "cat/, dog/"), (user, "thesis.tex")):
+        with pytest.raises(SystemExit, match=rf"^kvram shards write-images: {out} exists and is not a kvram "
+                           rf"shard directory: it holds {held} and no kvram index.json\. kvram replaces only "
+                           r"shard directories it wrote, with or without overwrite=True; nothing was written"):
+            cli.main(["shards", "write-images", str(source), str(out), "--overwrite"])
+    assert _files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [source.name, "userdir"])
 
 
 def test_encoded_shards_decode_in_tf_data_to_the_stored_pixels(folder, tmp_path):

@@ -1,3 +1,5 @@
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -164,3 +166,88 @@ def test_fixed_micro_batches_compile_the_whole_step_with_xla():
     assert list(slices_xla.train_function._functions) == [("fused", 5)]
     # batches of 16 and a last one of 6: one trace each
     assert whole_xla.train_function.tracing_count() == 2
+
+
+# Slices too small for BatchNormalization's batch statistics
+
+
+def _dense_bn(micro_batch_size=None, **kwargs):
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(16)(inputs)
+    x = keras.layers.BatchNormalization(name="bn")(x, **kwargs)
+    x = keras.layers.ReLU()(x)
+    return kvram.Model(inputs, keras.layers.Dense(2)(x), micro_batch_size=micro_batch_size)
+
+
+ONE_ROW = (
+    r"^micro_batch_size=1 trains each row alone, and BatchNormalization layer\(s\) \['bn'\] normalise over "
+    r"the batch axis alone \(a \(batch, features\) input\): over one row their output is their beta, "
+    r"whatever the input, so no layer before them learns\. Use micro_batch_size >= 2 \(the larger, the "
+    r"closer to whole batches\), or replace them with LayerNormalization or GroupNormalization, which do "
+    r"not use the batch\. Received: micro_batch_size=1$"
+)
+
+
+def test_one_row_slices_through_a_dense_batch_norm_are_refused():
+    with pytest.raises(ValueError, match=ONE_ROW):
+        _dense_bn(micro_batch_size=1)
+    net = _dense_bn(micro_batch_size=None)
+    with pytest.raises(ValueError, match=ONE_ROW):
+        net.micro_batch_size = 1
+    assert net.micro_batch_size is None
+
+    class Net(kvram.Model):  # subclassed: its layers are known once traced, in fit()
+        def __init__(self):
+            super().__init__(micro_batch_size=1)
+            self.dense, self.bn, self.out = keras.layers.Dense(16), keras.layers.BatchNormalization(name="bn"), \
+                keras.layers.Dense(2)
+
+        def call(self, x, training=False):
+            return self.out(keras.ops.relu(self.bn(self.dense(x), training=training)))
+
+    net = Net()
+    net.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).standard_normal((32, 4)).astype("float32")
+    with pytest.raises(ValueError, match=ONE_ROW[1:-1]):  # raised while tracing: TF adds "in user code"
+        net.fit(x, (x[:, 0] > 0).astype("int32"), batch_size=8, verbose=0)
+    assert int(net.optimizer.iterations.numpy()) == 0
+
+
+def test_batch_norm_that_uses_moving_statistics_or_sees_pixels_is_not_refused():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _dense_bn(micro_batch_size=1, training=False)  # frozen in the graph
+        net = _dense_bn()
+        net.get_layer("bn").trainable = False
+        net.micro_batch_size = 1
+    inputs = keras.Input((6, 6, 3))
+    x = keras.layers.Conv2D(4, 3)(inputs)
+    x = keras.layers.BatchNormalization(name="conv_bn")(x)  # 16 values per row per statistic
+    outputs = keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(x))
+    with pytest.warns(UserWarning, match=r"micro_batch_size=1: BatchNormalization layer\(s\) \['conv_bn'\] take "
+                      r"their statistics over each slice of 1 rows, not over the whole batch; under 8 rows"):
+        kvram.Model(inputs, outputs, micro_batch_size=1)
+
+
+def test_a_one_row_last_slice_through_a_dense_batch_norm_warns():
+    net = _dense_bn(micro_batch_size=8)
+    net.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).standard_normal((9, 4)).astype("float32")
+    with pytest.warns(UserWarning, match=r"A batch of 9 rows at micro_batch_size=8 leaves a last slice of "
+                      r"one row: BatchNormalization layer\(s\) \['bn'\] normalise it to a constant"):
+        net.fit(x, (x[:, 0] > 0).astype("int32"), batch_size=9, verbose=0)
+
+
+def test_adaptive_batch_size_keeps_two_rows_a_slice_for_a_dense_batch_norm(capsys):
+    from kvram.callbacks import rungs
+
+    assert rungs(9, 1) == [9, 5, 3, 2, 1]
+    assert rungs(9, 2, least_slice=2) == [9, 5, 3]  # 2 would leave a one-row slice (2,2,2,2,1)
+    net = _dense_bn()
+    net.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).standard_normal((16, 4)).astype("float32")
+    callback = kvram.callbacks.AdaptiveBatchSize(probe=False)
+    net.fit(x, (x[:, 0] > 0).astype("int32"), batch_size=16, epochs=1, verbose=0, callbacks=[callback])
+    assert callback.min_micro_batch == 2
+    assert "min_micro_batch raised from 1 to 2: a BatchNormalization layer normalises over the batch " \
+        "axis alone" in capsys.readouterr().out

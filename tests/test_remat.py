@@ -460,6 +460,19 @@ def test_plan_refuses_what_it_cannot_cut():
         remat.plan(_dropout_chain(), (1, 2, 3, 4))
 
 
+def test_plan_says_what_is_wrong_with_the_batch_or_an_unbuilt_sequential():
+    model = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(1)], name="unbuilt")
+    with pytest.raises(ValueError, match=r"^Sequential model 'unbuilt' has no input shape yet, so it has no "
+                       r"layer graph to cut\. Give it one: keras.Input\(shape\) as its first layer, or "
+                       r"model.build\(\(None, \*shape\)\) before planning\.$"):
+        remat.plan(model, (np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32")))
+    model.build((None, 3))
+    assert len(remat.segments(model)) == 2
+    with pytest.raises(ValueError, match=r"^sample_batch's x and y must hold the same rows, one target per "
+                       r"sample\. Received: x of shape \(8, 3\) \(8 rows\), y of shape \(5, 1\) \(5 rows\)\.$"):
+        remat.plan(model, (np.zeros((8, 3), "float32"), np.zeros((5, 1), "float32")))
+
+
 def _xla_training_peak(model, x, y, resident):
     """Measured peak of an XLA-compiled training step after the one that compiles it."""
     variables = model.trainable_variables
