@@ -512,8 +512,8 @@ def test_view_of_checked_shards_reads_without_python(shards, monkeypatch):
     dataset = ShardedDataset(shards.directory)
     dataset.verify(verbose=0)
     calls = []
-    plan = dataset._pieces
-    monkeypatch.setattr(dataset, "_pieces", lambda *a: calls.append(1) or plan(*a))
+    plan = kvram.data._view.plan_pieces
+    monkeypatch.setattr(kvram.data._view, "plan_pieces", lambda *a: calls.append(1) or plan(*a))
     stream = dataset.to_tf_dataset(10, shuffle=True, seed=0, read="view")
     calls.clear()
     assert len(list(stream)) == N // 10

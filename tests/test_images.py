@@ -154,7 +154,8 @@ def test_a_killed_writer_leaves_no_final_directory(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {os.getcwd()!r})
-        from kvram import _images, data
+        from kvram import data
+        from kvram.data import _images
         real = _images._load
         done = [0]
         def load(*args):

@@ -73,7 +73,7 @@ def io(args):
 
     from kvram.data import ShardedDataset
 
-    from kvram import _verify
+    from kvram.data import _verify
 
     directory = args.dir or os.path.join(tempfile.gettempdir(), "kvram-io-bench")
     index = os.path.join(directory, "index.json")

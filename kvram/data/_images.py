@@ -1,5 +1,6 @@
-"""A folder of images (one sub-folder per class) to uint8 shards:
-`kvram.data.write_image_shards` and `kvram shards write-images`."""
+"""A folder of images (one sub-folder per class) to uint8 shards, on the shard
+writer (`write_image_shards`, `kvram shards write-images`), and their JPEG bytes
+decoded inside `tf.data` (`decode_jpeg`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import tempfile
 import warnings
 
 import numpy as np
+import tensorflow as tf
+
+from kvram import _checks
+from kvram.data._writer import write_shards
 
 RESIZE = "shorter side to `size` (bilinear, antialiased), then the centre `size` x `size` crop"
 
@@ -161,8 +166,6 @@ def write_image_shards(
     """
     from PIL import Image
 
-    from kvram import _checks, data
-
     size = _checks.positive_int("size", size)
     min_side = _checks.positive_int("min_side", min_side)
     workers = _checks.positive_int("workers", workers, allow_none=True) or len(os.sched_getaffinity(0))
@@ -228,7 +231,7 @@ def write_image_shards(
         return found
 
     try:
-        dataset = data.write_shards(
+        dataset = write_shards(
             batches(), directory, samples_per_shard=samples_per_shard, checksum=checksum,
             overwrite=overwrite, verbose=0, _metadata=metadata,
         )
@@ -266,8 +269,6 @@ def decode_jpeg(dataset, crop: int | None = None, random_crop: bool = False, fli
     Returns:
         The dataset with that element replaced by uint8 images (batch, h, w, 3).
     """
-    import tensorflow as tf
-
     if crop is not None and not (isinstance(crop, int) and crop >= 1):
         raise ValueError(f"crop must be None or an int >= 1. Received: crop={crop!r}")
     if random_crop and crop is None:
