@@ -25,7 +25,7 @@ import tensorflow as tf
 
 import kvram
 from kvram import memory, remat
-from kvram.plan import parse_bytes
+from kvram.remat import parse_bytes
 
 
 def main(argv=None):

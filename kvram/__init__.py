@@ -1,4 +1,10 @@
-"""kvram: train TensorFlow/Keras models that would not otherwise fit in GPU memory."""
+"""kvram: train TensorFlow/Keras models that would not otherwise fit in GPU memory.
+
+The subpackages, from the top down (a lower one never imports a higher one):
+`cli` (the `kvram` command) -> `remat` (checkpointing and planning),
+`callbacks`, `parallel` -> `training` (`kvram.Model` and its step) ->
+`layers`, `data`, `precision`, `memory`. ARCHITECTURE.md says more.
+"""
 
 import os as _os
 import sys as _sys
@@ -12,9 +18,8 @@ if "tensorflow" not in _sys.modules:
     _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 from kvram import callbacks, data, layers, memory, parallel, precision, remat, speed  # noqa: E402
-from kvram.model import Model  # noqa: E402
-
-__version__ = "0.1.0"
+from kvram._version import __version__  # noqa: E402
+from kvram.training import Model  # noqa: E402
 
 __all__ = [
     "Model",

@@ -18,7 +18,25 @@ __all__ = [
     "track",
     "Tracked",
     "MemoryMonitor",
+    "is_out_of_memory",
 ]
+
+_OOM_MARKERS = ("out of memory", "oom when allocating", "dst tensor is not initialized")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for TensorFlow's out-of-memory errors.
+
+    Most surface as `ResourceExhaustedError`; a failed device copy under memory
+    pressure surfaces as `InternalError: Dst tensor is not initialized`.
+    """
+    if isinstance(error, tf.errors.ResourceExhaustedError):
+        return True
+    if isinstance(error, tf.errors.InternalError):
+        message = str(error).lower()
+        return any(marker in message for marker in _OOM_MARKERS)
+    return False
+
 
 _DEVICE = re.compile(r"^(?:/?(?:device:)?)?(CPU|GPU)(?::(\d+))?$", re.IGNORECASE)
 

@@ -51,7 +51,7 @@ def run_with_peak(step, *args, warm: bool = False, repeat: int = 1):
 def one_op_order():
     """Within, `tf.function`s called on this thread run their ops in one order:
     on TensorFlow's single-threaded executor, with Grappler's dependency and
-    memory optimizers off (`kvram.parallel._call_options`, as `PipelineModel`
+    memory optimizers off (`kvram.parallel._pipeline._call_options`, as `PipelineModel`
     turns host swapping off). On the default executor the order of independent ops, and
     a step's peak, vary from run to run and from trace to trace, more so under
     load: MobileNetV3Small's planned steps measured up to 33% away from their
@@ -66,7 +66,7 @@ def one_op_order():
     intra-op thread, or a garbage collection before each measurement."""
     from tensorflow.core.protobuf import rewriter_config_pb2
 
-    from kvram.parallel import _call_options
+    from kvram.parallel._pipeline import _call_options
 
     off = rewriter_config_pb2.RewriterConfig
     # the memory optimizer's AddN rewrite (DenseNet's gradient sums) makes
@@ -250,7 +250,7 @@ def aborting_model():
     from kvram import remat
 
     at, marker = int(os.environ["KVRAM_TEST_ABORT_AT"]), os.environ.get("KVRAM_TEST_ABORT_MARKER")
-    real, calls = remat._step_peak_or_raise, []
+    real, calls = remat._check._step_peak_or_raise, []
 
     def step_peak(*args):
         calls.append(None)
@@ -264,7 +264,7 @@ def aborting_model():
         import atexit
 
         atexit.register(os.abort)
-    if not getattr(remat._step_peak_or_raise, "aborts", False):
+    if not getattr(remat._check._step_peak_or_raise, "aborts", False):
         step_peak.aborts = True
-        remat._step_peak_or_raise = step_peak
+        remat._check._step_peak_or_raise = step_peak
     return residual_model()

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import kvram
-from kvram import _train_function
+from kvram.training import _train_function
 from kvram.callbacks import AdaptiveBatchSize, MemoryLogger, find_max_batch_size
 from tests.helpers import gradients_failing_every, max_rel_diff
 
@@ -200,12 +200,12 @@ def test_other_errors_are_not_taken_for_ooms():
 
 
 def test_is_out_of_memory():
-    assert _train_function.is_out_of_memory(tf.errors.ResourceExhaustedError(None, None, "x"))
-    assert _train_function.is_out_of_memory(
+    assert kvram.memory.is_out_of_memory(tf.errors.ResourceExhaustedError(None, None, "x"))
+    assert kvram.memory.is_out_of_memory(
         tf.errors.InternalError(None, None, "Dst tensor is not initialized.")
     )
-    assert not _train_function.is_out_of_memory(tf.errors.InternalError(None, None, "cuDNN"))
-    assert not _train_function.is_out_of_memory(ValueError("out of memory"))
+    assert not kvram.memory.is_out_of_memory(tf.errors.InternalError(None, None, "cuDNN"))
+    assert not kvram.memory.is_out_of_memory(ValueError("out of memory"))
 
 
 class FakeMemory:
@@ -224,9 +224,9 @@ class FakeMemory:
         return value
 
     def install(self, monkeypatch):
-        monkeypatch.setattr(kvram.callbacks.memory, "current_bytes", self.current)
-        monkeypatch.setattr(kvram.callbacks.memory, "peak_bytes", self.peak)
-        monkeypatch.setattr(kvram.callbacks.memory, "reset_peak", lambda device=None: None)
+        monkeypatch.setattr(kvram.memory, "current_bytes", self.current)
+        monkeypatch.setattr(kvram.memory, "peak_bytes", self.peak)
+        monkeypatch.setattr(kvram.memory, "reset_peak", lambda device=None: None)
         return self
 
 

@@ -114,7 +114,7 @@ def launch_workers(tmp_path, script, kwargs, **options):
     import os
     import sys
 
-    from kvram import launch
+    from kvram.parallel import _launch as launch
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = tmp_path / "worker.py"
@@ -206,7 +206,7 @@ def test_static_shapes_reads_distributed_batches(mirrored):
     workers under jit_compile on two H200s (benchmarks/results/distribute_2xh200.json)
     and on the CPU with `benchmarks/distribute/bench.py --cpu --jit --configs mwms`,
     which then stops at XLA's missing CPU collectives (b/194942685)."""
-    from kvram._train_function import _static_shapes
+    from kvram.training._train_function import _static_shapes
 
     per_replica = mirrored.experimental_distribute_values_from_function(lambda ctx: tf.zeros((2, 3)))
     assert isinstance(per_replica, tf.distribute.DistributedValues)
@@ -232,7 +232,7 @@ def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_
     the other's variables)."""
     from tensorflow.python.distribute import mirrored_run, mirrored_strategy
 
-    from kvram import _train_function
+    from kvram.training import _step, _train_function
 
     x, y = data()
     with mirrored.scope():
@@ -266,15 +266,15 @@ def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_
     graph = concrete.graph
     ops = {op.type for f in graph._functions.values() for op in f.graph.get_operations()}
     assert "CollectiveReduceV2" in ops, sorted(ops)  # all-reduced without merge_call
-    held = _train_function.step_state_variables(model)
+    held = _step.step_state_variables(model, model._step_state)
     assert any(v is model.optimizer.iterations.value for v in held)
     # kvram's counters are tf.Variables (their `value` is a method): held too.
     # Missed, their update took a merge_call on two H200s (session 28)
-    assert all(any(v is c for v in held) for c in model._kvram_counters())
+    assert all(any(v is c for v in held) for c in model._step_state.counters())
     # the aggregation is only changed while tracing
     assert all(
         v.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
-        for v in [model._skipped, model.optimizer.iterations.value]
+        for v in [model._step_state.skipped, model.optimizer.iterations.value]
     )
 
 
@@ -323,7 +323,7 @@ def _compiled_call_devices(concrete):
 def test_updated_in_each_replica_keeps_the_copies_equal(mirrored):
     """Inside, each replica updates its own copy of an ONLY_FIRST_REPLICA
     variable (no merge_call), so every replica's step count moves alike."""
-    from kvram._train_function import updated_in_each_replica
+    from kvram.training._step import updated_in_each_replica
 
     with mirrored.scope():
         count = tf.Variable(

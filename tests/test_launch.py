@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from kvram import cli, launch
+from kvram import cli
+from kvram.parallel import _launch as launch
 
 WORKER = r'''
 import json, os, signal, sys, time

@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 import kvram
-from kvram import _train_function
+from kvram.training import _train_function
 from kvram.callbacks import AdaptiveBatchSize
 from tests.helpers import gradients_failing_every
 

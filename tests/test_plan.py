@@ -1,11 +1,11 @@
-"""kvram.plan.estimate and `kvram plan` (issue 12): will a model fit, and how."""
+"""kvram.remat.estimate and `kvram plan`: will a model fit, and how."""
 
 import json
 
 import numpy as np
 import pytest
 
-from kvram import cli, plan, remat
+from kvram import cli, remat
 from tests.helpers import in_own_process, residual_model
 
 
@@ -19,13 +19,13 @@ def small_model():
     [("48GB", 48 * 10**9), ("16GiB", 16 * 2**30), ("1024", 1024), ("1.5 MiB", 3 * 2**19), ("80gb", 80 * 10**9)],
 )
 def test_parse_bytes(text, expected):
-    assert plan.parse_bytes(text) == expected
+    assert remat.parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("text", ["abc", "-5GB", "0", "12XB", ""])
 def test_parse_bytes_says_what_is_allowed(text):
     with pytest.raises(ValueError, match=r"positive number with an optional unit .* Received"):
-        plan.parse_bytes(text)
+        remat.parse_bytes(text)
 
 
 def _direct(batch):
@@ -43,7 +43,7 @@ def test_estimate_extrapolates_and_recommends_what_fits():
     batch = 64
     # the memory the full batch would need unmodified, measured directly
     direct, memory = _direct(batch)
-    found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",), margin=0.0)
+    found = remat.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",), margin=0.0)
     rows = {(c.micro_batch_size, c.remat): c for c in found.configurations}
     assert set(rows) == {(None, "none"), (None, "fit"), (None, "least"), (32, "none"), (32, "least"),
                          (16, "none"), (16, "least")}, rows
@@ -73,7 +73,7 @@ def test_estimate_extrapolates_and_recommends_what_fits():
 def test_a_dearer_slice_recommends_the_whole_batch_recomputing():
     batch = 64
     _, memory = _direct(batch)
-    found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",), margin=0.0,
+    found = remat.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",), margin=0.0,
                           micro_batch_sizes=[32], micro_batch_overhead=0.5)
     rows = {(c.micro_batch_size, c.remat): c for c in found.configurations}
     assert rows[(32, "none")].relative_step_time == pytest.approx(1.5)
@@ -83,12 +83,12 @@ def test_a_dearer_slice_recommends_the_whole_batch_recomputing():
 @pytest.mark.parametrize("overhead", [-0.1, 1.0, 2])
 def test_micro_batch_overhead_is_validated(overhead):
     with pytest.raises(ValueError, match=rf"micro_batch_overhead must be in \[0, 1\). Received: {overhead}"):
-        plan.estimate(small_model, 16, memory_bytes=2**30, micro_batch_overhead=overhead)
+        remat.estimate(small_model, 16, memory_bytes=2**30, micro_batch_overhead=overhead)
 
 
 def test_estimate_measure_runs_the_recommendation_and_plain_keras():
-    found = plan.estimate(small_model, 32, memory_bytes=10 * 2**30, precisions=("float32",))
-    result = plan.measure(small_model, found.recommended, 32, steps=2)
+    found = remat.estimate(small_model, 32, memory_bytes=10 * 2**30, precisions=("float32",))
+    result = remat.measure(small_model, found.recommended, 32, steps=2)
     assert result["steps"] == 2 and result["device"] == "CPU:0"
     assert result["peak_bytes"] > 0 and result["samples_per_second"] > 0
     assert result["plain"]["peak_bytes"] > 0 and result["plain"]["samples_per_second"] > 0
@@ -97,7 +97,7 @@ def test_estimate_measure_runs_the_recommendation_and_plain_keras():
 
 
 def test_estimate_with_nothing_that_fits():
-    found = plan.estimate(small_model, 32, memory_bytes=10**5, precisions=("float32",))
+    found = remat.estimate(small_model, 32, memory_bytes=10**5, precisions=("float32",))
     assert found.recommended is None and not any(c.fits for c in found.configurations)
     assert "nothing fits" in str(found)
 
@@ -174,7 +174,7 @@ def test_estimate_checks_under_xla_and_training_confirms_it(request):
     # found one within this memory in some runs only (CI failed so, nothing
     # fitting); at 64 rows remat.plan's own search found the least peak above.
     # The search's logic is tested with faked checks below.
-    found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",),
+    found = remat.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",),
                           micro_batch_sizes=[], margin=0.0, jit_compile=True, check_at="batch")
     print(found)
     rows = {c.remat: c for c in found.configurations}
@@ -189,7 +189,7 @@ def test_estimate_checks_under_xla_and_training_confirms_it(request):
         recommended, recommended.plan.runs, at_batch)
     # Keras's fit() compiles with XLA (its jit_compile="auto", on the CPU too);
     # its step also applies the optimizer (not in the checked step)
-    result = plan.measure(small_model, recommended, batch, steps=2, plain=False)
+    result = remat.measure(small_model, recommended, batch, steps=2, plain=False)
     print(f"predicted {recommended.predicted_peak_bytes:,}, fit() measured {result['peak_bytes']:,}")
     assert result["peak_bytes"] <= 1.10 * memory, (result, memory)
 
@@ -205,7 +205,7 @@ def test_estimate_extrapolates_xla_checks_from_the_probes(request):
     x = np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32")
     direct = remat.plan(small_model(), (x, np.arange(batch) % 10), budget_bytes=2**40, optimizer="adam",
                         jit_compile=True)
-    found = plan.estimate(small_model, batch, memory_bytes=2 * direct.plain_peak_bytes, precisions=("float32",),
+    found = remat.estimate(small_model, batch, memory_bytes=2 * direct.plain_peak_bytes, precisions=("float32",),
                           micro_batch_sizes=[], margin=0.0, jit_compile=True, check_at="probes", verbose=True)
     plain = found.recommended
     assert plain is not None and plain.remat == "none" and plain.predicted_by == "xla"
@@ -221,7 +221,7 @@ def test_estimate_checks_each_configuration_at_its_own_rows():
     x = np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32")
     direct = remat.plan(small_model(), (x, np.arange(batch) % 10), optimizer="adam")
     memory = (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
-    found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",),
+    found = remat.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",),
                           micro_batch_sizes=[32], margin=0.0, check_at="batch", verbose=True,
                           micro_batch_overhead=0.5)  # slices dearer than recomputing: the whole batch fits
     assert found.check_at == "batch" and "at its own rows" in str(found)
@@ -248,7 +248,7 @@ def test_a_checks_file_keeps_each_check_and_the_next_estimate_reuses_them(tmp_pa
     path = tmp_path / "checks.json"
     kwargs = dict(memory_bytes=2**30, precisions=("float32",), micro_batch_sizes=[], margin=0.0,
                   checks_file=str(path))
-    first = plan.estimate(small_model, 16, **kwargs)
+    first = remat.estimate(small_model, 16, **kwargs)
     # plain fits: checked at the probes' 2 and 4 rows and at 8, each kept as made
     kept = json.loads(path.read_text())["checks"]
     assert sorted(json.loads(key)[-2] for key in kept) == [2, 4, 8], kept
@@ -259,7 +259,7 @@ def test_a_checks_file_keeps_each_check_and_the_next_estimate_reuses_them(tmp_pa
         raise AssertionError("a kept check was run again")
 
     monkeypatch.setattr(remat, "_step_peak_or_raise", no_step)
-    second = plan.estimate(small_model, 16, **kwargs)
+    second = remat.estimate(small_model, 16, **kwargs)
     assert [c.predicted_peak_bytes for c in second.configurations if c.predicted_by == "graph"] == [
         c.predicted_peak_bytes for c in first.configurations if c.predicted_by == "graph"]
     messages = [message for _, message in second.log]
@@ -269,12 +269,12 @@ def test_a_checks_file_keeps_each_check_and_the_next_estimate_reuses_them(tmp_pa
 
 def test_a_checks_file_keeps_a_check_out_of_memory_as_such(tmp_path):
     path = str(tmp_path / "checks.json")
-    store = plan._CheckStore(path, lambda message: None)
-    store.put("a", remat._OutOfMemory(1234))
+    store = remat._checker.CheckStore(path, lambda message: None)
+    store.put("a", remat._check._OutOfMemory(1234))
     store.put("b", 5678)
-    again = plan._CheckStore(path, lambda message: None)
-    assert isinstance(again.get("a"), remat._OutOfMemory) and int(again.get("a")) == 1234
-    assert again.get("b") == 5678 and not isinstance(again.get("b"), remat._OutOfMemory)
+    again = remat._checker.CheckStore(path, lambda message: None)
+    assert isinstance(again.get("a"), remat._check._OutOfMemory) and int(again.get("a")) == 1234
+    assert again.get("b") == 5678 and not isinstance(again.get("b"), remat._check._OutOfMemory)
     assert again.get("c") is None
 
 
@@ -282,7 +282,7 @@ def test_a_file_that_is_not_a_checks_file_is_refused(tmp_path):
     path = tmp_path / "checks.json"
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"checks_file .* is not a checks file kvram wrote .* Allowed"):
-        plan.estimate(small_model, 16, memory_bytes=2**30, checks_file=str(path))
+        remat.estimate(small_model, 16, memory_bytes=2**30, checks_file=str(path))
 
 
 def _plan_in_child(tmp_path, monkeypatch, abort_at, once):
@@ -340,7 +340,7 @@ def test_cli_plan_child_killed_after_it_finished_is_not_started_again(tmp_path, 
     def finished_then_killed(command):
         calls.append(command)
         path, run = command[command.index("--checks-file") + 1], command[command.index("--plan-child") + 1]
-        plan._CheckStore(path).finish(run, 0)
+        remat._checker.CheckStore(path).finish(run, 0)
         return -6
 
     monkeypatch.setattr(subprocess, "call", finished_then_killed)
@@ -352,7 +352,7 @@ def test_cli_plan_child_killed_after_it_finished_is_not_started_again(tmp_path, 
 
 def test_estimate_check_at_is_validated():
     with pytest.raises(ValueError, match=r'check_at must be "auto", "batch" or "probes". Received: check_at=\'all\''):
-        plan.estimate(small_model, 16, memory_bytes=2**30, check_at="all")
+        remat.estimate(small_model, 16, memory_bytes=2**30, check_at="all")
 
 
 def test_a_check_out_of_memory_does_not_fit_and_the_plan_goes_on(monkeypatch):
@@ -363,7 +363,7 @@ def test_a_check_out_of_memory_does_not_fit_and_the_plan_goes_on(monkeypatch):
 
     from kvram.layers import Checkpoint
 
-    real = remat._step_peak_or_raise
+    real = remat._check._step_peak_or_raise
 
     def plain_runs_out(model, *args):
         if not any(isinstance(layer, Checkpoint) for layer in model.layers):
@@ -376,7 +376,7 @@ def test_a_check_out_of_memory_does_not_fit_and_the_plan_goes_on(monkeypatch):
     direct = remat.plan(small_model(), (x, np.arange(batch) % 10), budget_bytes=None, optimizer="adam")
     assert direct.plain_out_of_memory and "plain out of memory, over" in str(direct)
     memory = 2 * direct.minimum_peak_bytes
-    found = plan.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",),
+    found = remat.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",),
                           micro_batch_sizes=[], margin=0.0, check_at="batch")
     rows = {c.remat: c for c in found.configurations}
     assert rows["none"].predicted_by == "oom" and not rows["none"].fits
@@ -405,7 +405,7 @@ def test_fit_is_searched_by_checks_where_the_executor_predicts_nothing_fits(monk
     # least-memory choice within the limit, and "least" alone was checked).
     batch = 64
     _checked_steps_peak(monkeypatch, 64 * 2**20, 2**20)
-    found = plan.estimate(small_model, batch, memory_bytes=8 * 2**20, precisions=("float32",),
+    found = remat.estimate(small_model, batch, memory_bytes=8 * 2**20, precisions=("float32",),
                           micro_batch_sizes=[], margin=0.0, check_at="batch")
     rows = {c.remat: c for c in found.configurations}
     assert rows["least"].executor_peak_bytes > 8 * 2**20, found  # predicted not to fit
@@ -419,7 +419,7 @@ def test_a_fit_row_with_nothing_within_the_limit_shows_its_checked_peak(monkeypa
     # No choice checks within the limit: the "fit" and "least" rows show
     # checked peaks (over the limit), not the executor's prediction.
     _checked_steps_peak(monkeypatch, 64 * 2**20, 32 * 2**20)
-    found = plan.estimate(small_model, 64, memory_bytes=8 * 2**20, precisions=("float32",),
+    found = remat.estimate(small_model, 64, memory_bytes=8 * 2**20, precisions=("float32",),
                           micro_batch_sizes=[], margin=0.0, check_at="batch")
     assert found.recommended is None and "nothing fits" in str(found)
     for c in found.configurations:

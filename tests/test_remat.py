@@ -303,12 +303,12 @@ def _synthetic_plan_inputs(n=9):
     for i in range(n):
         h = keras.layers.Dense(4, name=f"d{i}")(h)
     model = keras.Model(inputs, h)
-    chain = remat._chain(model)
+    chain = remat._segments._chain(model)
     assert len(chain) == n
     mib = 2**20
     kept = tuple(k * mib for k in ((5, 40, 10) * n)[:n])
     need = tuple(sum(kept[: i + 1]) + mib for i in range(n))
-    profile = remat._Profile(
+    profile = remat._profile._Profile(
         kept=kept, need=need, recompute=tuple(sum(kept[:i]) for i in range(n)),
         transient=(0,) * n, head=need[-1], output=(mib,) * n, input=mib,
         flops=((3000, 100, 100) * n)[:n],
@@ -318,24 +318,24 @@ def _synthetic_plan_inputs(n=9):
 
 def test_least_memory_plan_is_the_candidate_checked_lowest():
     model, chain, profile = _synthetic_plan_inputs()
-    candidates = remat._least_candidates(profile, remat._minimum(profile))
-    first, sqrt = candidates[0], remat._sqrt_runs(len(chain))
-    assert first == tuple(remat._choose(profile, remat._minimum(profile)))
+    candidates = remat._choice._least_candidates(profile, remat._choice._minimum(profile))
+    first, sqrt = candidates[0], remat._choice._sqrt_runs(len(chain))
+    assert first == tuple(remat._choice._choose(profile, remat._choice._minimum(profile)))
     assert sqrt == ((0, 2), (3, 5), (6, 8)) and sqrt in candidates
-    recomputed = {r: remat._recomputed(profile, r) for r in candidates}
+    recomputed = {r: remat._choice._recomputed(profile, r) for r in candidates}
     assert recomputed[sqrt] == max(recomputed.values()) > recomputed[first]  # every segment
 
     def plan_with(peaks):
         def check(runs):
             return peaks.get(tuple(runs), 100 * 2**20)
-        return remat._plan_for(model, chain, profile, 0, None, 8, check)
+        return remat._plan._plan_for(model, chain, profile, 0, None, 8, check)
 
     # the square-root split checks lowest: it is the least-memory plan
     peaks = {(): 100 * 2**20, first: 60 * 2**20, sqrt: 50 * 2**20}
     chosen = plan_with(peaks)
     assert chosen.runs == sqrt and chosen.minimum_peak_bytes == chosen.predicted_peak_bytes == 50 * 2**20
     # a budget under the programme's choice but over another candidate is met
-    budgeted = remat._plan_for(model, chain, profile, 0, 55 * 2**20, 8, lambda r: peaks.get(tuple(r), 100 * 2**20))
+    budgeted = remat._plan._plan_for(model, chain, profile, 0, 55 * 2**20, 8, lambda r: peaks.get(tuple(r), 100 * 2**20))
     assert budgeted.runs == sqrt and budgeted.minimum_peak_bytes == 50 * 2**20
     assert chosen.with_budget(55 * 2**20).runs == sqrt
     # within 2% of the lowest, the least recomputation wins
@@ -345,9 +345,9 @@ def test_least_memory_plan_is_the_candidate_checked_lowest():
 
 def test_a_budget_no_choice_reaches_falls_back_to_the_cheapest_fitting_candidate():
     model, chain, profile = _synthetic_plan_inputs()
-    candidates = remat._least_candidates(profile, remat._minimum(profile))
-    sqrt = remat._sqrt_runs(len(chain))
-    assert len({remat._recomputed(profile, r) for r in candidates}) >= 3, candidates
+    candidates = remat._choice._least_candidates(profile, remat._choice._minimum(profile))
+    sqrt = remat._choice._sqrt_runs(len(chain))
+    assert len({remat._choice._recomputed(profile, r) for r in candidates}) >= 3, candidates
     mib = 2**20
     # every choice the budget search tries checks over; the candidates fit,
     # the square-root split (the most recomputation) lowest
@@ -356,9 +356,9 @@ def test_a_budget_no_choice_reaches_falls_back_to_the_cheapest_fitting_candidate
     def check(runs):
         return peaks.get(tuple(runs), 99 * mib)
 
-    chosen = remat._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
+    chosen = remat._plan._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
     fitting = [r for r in candidates if peaks[r] <= 50 * mib]
-    cheapest = min(fitting, key=lambda r: remat._recomputed(profile, r))
+    cheapest = min(fitting, key=lambda r: remat._choice._recomputed(profile, r))
     assert chosen.runs == cheapest != sqrt
     assert chosen.predicted_peak_bytes == 45 * mib
 
@@ -376,17 +376,17 @@ def test_a_budget_search_checks_a_new_choice_each_try():
 
     def check(runs):  # the prediction 30 MiB low for every choice that recomputes
         checked.append(tuple(runs))
-        return remat._predict(profile, list(runs)) + (30 * mib if runs else 0)
+        return remat._choice._predict(profile, list(runs)) + (30 * mib if runs else 0)
 
-    chosen = remat._plan_for(model, chain, profile, 0, 107 * mib, 8, check)
-    candidates = remat._least_candidates(profile, remat._minimum(profile))
+    chosen = remat._plan._plan_for(model, chain, profile, 0, 107 * mib, 8, check)
+    candidates = remat._choice._least_candidates(profile, remat._choice._minimum(profile))
     searched = [r for r in dict.fromkeys(checked) if r and r not in candidates]
     assert len(searched) >= 2 and chosen.runs in searched, (searched, chosen.runs)
     assert chosen.predicted_peak_bytes <= 107 * mib
     cheapest_candidate = min(
-        (r for r in candidates if check(r) <= 107 * mib), key=lambda r: remat._recomputed(profile, r)
+        (r for r in candidates if check(r) <= 107 * mib), key=lambda r: remat._choice._recomputed(profile, r)
     )
-    assert remat._recomputed(profile, chosen.runs) * 10 < remat._recomputed(profile, cheapest_candidate)
+    assert remat._choice._recomputed(profile, chosen.runs) * 10 < remat._choice._recomputed(profile, cheapest_candidate)
 
 
 def test_when_every_least_candidate_checks_over_the_budget_the_spread_is_checked():
@@ -398,10 +398,10 @@ def test_when_every_least_candidate_checks_over_the_budget_the_spread_is_checked
     with one run left out (XLA's high choices there recomputed the last
     segments)."""
     model, chain, profile = _synthetic_plan_inputs()
-    low = remat._minimum(profile)
-    candidates = remat._least_candidates(profile, low)
-    spread = [r for r in remat._spread_candidates(profile, low) if r not in candidates]
-    assert spread, remat._spread_candidates(profile, low)
+    low = remat._choice._minimum(profile)
+    candidates = remat._choice._least_candidates(profile, low)
+    spread = [r for r in remat._choice._spread_candidates(profile, low) if r not in candidates]
+    assert spread, remat._choice._spread_candidates(profile, low)
     mib = 2**20
     good = spread[-1]
     peaks = {good: 30 * mib}
@@ -409,19 +409,19 @@ def test_when_every_least_candidate_checks_over_the_budget_the_spread_is_checked
     def check(runs):
         return peaks.get(tuple(runs), 99 * mib)
 
-    chosen = remat._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
+    chosen = remat._plan._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
     assert chosen.runs == good and chosen.predicted_peak_bytes == 30 * mib
     assert chosen.minimum_peak_bytes == 30 * mib
     # nor any of those: each with one run left out
-    fewer = [r for r in remat._one_run_fewer(candidates + spread) if r not in candidates + spread]
+    fewer = [r for r in remat._choice._one_run_fewer(candidates + spread) if r not in candidates + spread]
     peaks.clear()
     peaks[fewer[0]] = 31 * mib
-    chosen = remat._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
+    chosen = remat._plan._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
     assert chosen.runs == fewer[0] and chosen.predicted_peak_bytes == 31 * mib
     # with nothing that fits, the refusal names the least checked
     peaks.clear()
     with pytest.raises(ValueError, match=r"below the least memory"):
-        remat._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
+        remat._plan._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
 
 
 def test_plan_budget_below_the_least_says_the_least():

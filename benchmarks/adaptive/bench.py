@@ -79,7 +79,7 @@ def batch_of(tf, shape, classes, rows):
 def fits_by_hand(tf, model, batch, probes):
     """`rows -> bool`: whether two plain `train_on_batch` steps of `batch(rows)`
     fit (the second has the optimizer state too); every try goes to `probes`."""
-    from kvram._train_function import is_out_of_memory
+    from kvram.memory import is_out_of_memory
 
     def fits(rows):
         started = time.perf_counter()

@@ -123,7 +123,7 @@ def time_phases(tf):
     function: tracing the gradient pass, each run of it (probes included, by
     rows and micro-batch) and of the update. Runs read one value back, so a
     phase ends when the device has finished it. Only the first 24 are kept."""
-    from kvram import _train_function as train_function
+    from kvram.training import _train_function as train_function
 
     phases, cls = [], train_function.TrainFunction
     origin = time.perf_counter()

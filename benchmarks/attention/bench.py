@@ -43,7 +43,7 @@ def child(kind, args):
     import keras
 
     import kvram
-    from kvram._train_function import is_out_of_memory
+    from kvram.memory import is_out_of_memory
 
     def model_for(kind):
         keras.utils.set_random_seed(0)

@@ -95,7 +95,7 @@ def main():
     import keras
 
     import kvram
-    from kvram._train_function import is_out_of_memory
+    from kvram.memory import is_out_of_memory
 
     def layers():
         keras.utils.set_random_seed(0)

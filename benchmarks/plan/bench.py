@@ -28,7 +28,7 @@ from common import gpu_name  # noqa: E402
 
 
 def child(args) -> dict:
-    from kvram import plan  # before TensorFlow (CPU allocator statistics: kvram/__init__.py)
+    from kvram import remat as plan  # before TensorFlow (CPU allocator statistics: kvram/__init__.py)
 
     import tensorflow as tf
 
@@ -141,7 +141,7 @@ def _estimate_from(saved):
     """An `Estimate` rebuilt from its JSON (configurations carry their runs)."""
     from types import SimpleNamespace
 
-    from kvram import plan
+    from kvram import remat as plan
 
     rows, recommended = [], None
     for row in saved["configurations"]:

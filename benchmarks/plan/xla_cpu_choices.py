@@ -32,12 +32,12 @@ def main():
     from kvram import remat
     from tests.helpers import residual_model
 
-    model = remat._functional(residual_model())
+    model = remat._segments._functional(residual_model())
     chain = remat.segments(model)
     rng = np.random.default_rng(0)
     x = tf.constant(rng.random((args.rows, 32, 32, 3)).astype("float32"))
     y = tf.constant(np.arange(args.rows) % 10)
-    check = remat._step_check(model, chain, x, y, remat._loss_function(model, None), "CPU:0", True)
+    check = remat._check._step_check(model, chain, x, y, remat._check._loss_function(model, None), "CPU:0", True)
     n = len(chain)
     choices = [()] + [((a, b),) for a in range(n) for b in range(a, n)]
     choices += [((0, j), (j + 1, k)) for j in range(n - 1) for k in range(j + 1, n)]

@@ -10,8 +10,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import kvram
 from kvram import memory, precision
+from kvram.layers import Checkpoint
+from kvram.training import Model
 
 __all__ = ["run_demo"]
 
@@ -31,10 +32,10 @@ def build_model(checkpoint: bool, *, features: int, width: int, blocks: int, cla
     x = keras.layers.Dense(width)(inputs)
     for i in range(blocks):
         block = _residual_block(width, 4, 0.1, name=f"block{i}")
-        x = (kvram.layers.Checkpoint(block) if checkpoint else block)(x)
+        x = (Checkpoint(block) if checkpoint else block)(x)
     x = keras.layers.LayerNormalization()(x)
     outputs = keras.layers.Dense(classes, dtype="float32")(x)
-    cls = kvram.Model if checkpoint else keras.Model
+    cls = Model if checkpoint else keras.Model
     return cls(inputs, outputs, name="kvram" if checkpoint else "plain")
 
 

@@ -25,7 +25,7 @@ trained on exactly once and `optimizer.iterations` counts real updates only.
 Part 1 takes the micro-batch size as a tensor and is traced once, with the
 batch dimension left open: changing the size, or a short last batch, costs no
 retrace. Its slices' shapes are unknown to the graph, which on the GPU costs
-~30% of a step against static slices (`Model._micro_batch_gradients`, used by
+~30% of a step against static slices (`_step.micro_batch_gradients`, used by
 a fixed `micro_batch_size`); tracing a static graph per size instead was
 measured slower for a short fit (see benchmarks/README.md, adaptive). Before
 the first step the controller may probe: part 1 runs on a few rows of the
@@ -36,32 +36,18 @@ the controller can predict memory per row.
 from __future__ import annotations
 
 import gc
-import contextlib
-import threading
 import time
 
 import keras
 import tensorflow as tf
 from keras import tree
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
+from keras.src.trainers.data_adapters import data_adapter_utils
 
-__all__ = ["TrainFunction", "is_out_of_memory"]
+from kvram.memory import is_out_of_memory
+from kvram.training import _step
 
-_OOM_MARKERS = ("out of memory", "oom when allocating", "dst tensor is not initialized")
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for TensorFlow's out-of-memory errors.
-
-    Most surface as `ResourceExhaustedError`; a failed device copy under memory
-    pressure surfaces as `InternalError: Dst tensor is not initialized`.
-    """
-    if isinstance(error, tf.errors.ResourceExhaustedError):
-        return True
-    if isinstance(error, tf.errors.InternalError):
-        message = str(error).lower()
-        return any(marker in message for marker in _OOM_MARKERS)
-    return False
+__all__ = ["TrainFunction"]
 
 
 def multi_worker(strategy) -> bool:
@@ -147,8 +133,10 @@ def _no_optionals(data):
 class TrainFunction:
     """`model.train_function` for micro-batching and OOM recovery."""
 
-    def __init__(self, model):
+    def __init__(self, model, step_state, controller=None):
         self.model = model
+        self.step_state = step_state  # the model's `_step.StepState`
+        self.controller = controller  # an `AdaptiveBatchSize`, or None
         self._functions: dict = {}
         self._state: tuple = ()
         self._snapshot_function = None
@@ -182,7 +170,7 @@ class TrainFunction:
         model = self.model
         data = _no_optionals(data)
         self.build(data)
-        controller = model._batch_controller
+        controller = self.controller
         if controller is None:
             return self._fused(model.micro_batch_size, data)(data)
         if getattr(model, "_distribute_strategy", None) is not None:
@@ -323,14 +311,12 @@ class TrainFunction:
         return self._compiled(("fused", micro_batch_size), step)
 
     def _replica_gradients(self, data, micro_batch_size):
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
-        from kvram.model import all_finite, bad_inputs
-
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        gradients = self.model._micro_batch_gradients(x, y, sample_weight, micro_batch_size)
+        gradients = _step.micro_batch_gradients(
+            self.model, self.step_state, x, y, sample_weight, micro_batch_size
+        )
         # The batch is checked for NaN/Inf only when its gradients are not finite.
-        return gradients, bad_inputs(all_finite(gradients), (x, y, sample_weight))
+        return gradients, _step.bad_inputs(_step.all_finite(gradients), (x, y, sample_weight))
 
     def _gradients(self):
         """Part 1, `(data, micro_batch_size) -> (gradients, bad_inputs)`, for any
@@ -341,7 +327,7 @@ class TrainFunction:
             return strategy.run(self._replica_gradients, args=(data, micro_batch_size))
 
         # Slices loop in TF's executor; each slice is XLA-compiled inside when the
-        # model compiles with XLA (see Model._micro_batch_gradients).
+        # model compiles with XLA (see _step.micro_batch_gradients).
         return self._compiled("gradients", gradients)
 
     def _apply(self):
@@ -350,10 +336,10 @@ class TrainFunction:
 
         def replica_apply(gradients, inputs_bad):
             if model.trainable_weights:
-                model._apply_gradients(
-                    list(gradients), model.trainable_weights, bad_inputs=inputs_bad
+                _step.apply_gradients(
+                    model, self.step_state, list(gradients), model.trainable_weights, bad_inputs=inputs_bad
                 )
-            return model._kvram_logs(model.get_metrics_result())
+            return _step.step_logs(model, self.step_state, model.get_metrics_result())
 
         def apply(result):
             logs = strategy.run(replica_apply, args=result)
@@ -365,11 +351,11 @@ class TrainFunction:
     def _state_variables(self) -> tuple:
         model = self.model
         variables = list(model.non_trainable_variables) + list(model.metrics_variables)
-        variables += model._kvram_counters()
+        variables += self.step_state.counters()
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
             variables += [v for v in optimizer.variables if len(v.shape) == 0]
-        return tuple(unique(variables))
+        return tuple(_step.unique(variables))
 
     def _snapshot(self):
         state = self._state_variables()
@@ -403,75 +389,12 @@ def _local_devices(strategy) -> int:
         return 1
 
 
-def step_state_variables(model) -> list:
-    """The distributed variables of kvram's counters and the optimizer's state,
-    among them those a training step updates to the same value on every
-    replica (aggregation ONLY_FIRST_REPLICA: the step counts)."""
-    variables = list(model._kvram_counters())
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        variables += list(optimizer.variables)
-    # A Keras variable's `value` is its tf.Variable; kvram's counters are
-    # tf.Variables already (whose `value` is a method).
-    return [
-        v for v in (v.value if isinstance(v, keras.Variable) else v for v in variables)
-        if isinstance(v, tf.distribute.DistributedValues)
-    ]
 
 
-_aggregation_lock = threading.Lock()
-_held_aggregations: dict = {}  # id -> [variable, saved aggregation, holders]
 
 
-@contextlib.contextmanager
-def updated_in_each_replica(variables):
-    """Within, a replica updates its own copy of those of `variables` whose
-    aggregation is ONLY_FIRST_REPLICA (as if NONE) instead of broadcasting
-    the first replica's value.
-    For a step in which every replica computes the same update (the step
-    count plus one), so that the copies stay equal.
-
-    Works around keras-team/keras#17187 (open): under MirroredStrategy with
-    `jit_compile=True` on GPUs each replica's step is its own XLA function, and
-    TensorFlow updates an ONLY_FIRST_REPLICA variable in replica context by a
-    `merge_call`, which may not happen there ("merge_call called while
-    defining a new graph or a tf.function": on two H200s at kvram's own
-    counters, at the top of the step; traced on logical CPUs, inside a `cond`:
-    the optimizer's `iterations.assign_add(1)` in kvram's skip of a non-finite
-    step, or in Keras's LossScaleOptimizer's own cond). The aggregation is read while the step is
-    traced and restored after the last replica's trace leaves (a count per
-    variable: replicas trace in threads)."""
-    with _aggregation_lock:
-        held_here = []
-        for v in variables:
-            held = _held_aggregations.get(id(v))
-            if held is None:
-                if v._aggregation != tf.VariableAggregation.ONLY_FIRST_REPLICA:
-                    continue
-                held = _held_aggregations[id(v)] = [v, v._aggregation, 0]
-            held[2] += 1
-            held_here.append(v)
-            v._aggregation = tf.VariableAggregation.NONE
-    try:
-        yield
-    finally:
-        with _aggregation_lock:
-            for v in held_here:
-                held = _held_aggregations[id(v)]
-                held[2] -= 1
-                if held[2] == 0:
-                    v._aggregation = held[1]
-                    del _held_aggregations[id(v)]
 
 
-def unique(variables) -> list:
-    """`variables` without repeats (by identity), in order."""
-    seen, result = set(), []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            result.append(variable)
-    return result
 
 
 def _trace(function, data) -> None:

@@ -22,8 +22,6 @@ without XLA (`jit_compile=False`); asking for XLA is an error.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import time
 
 import keras
 import numpy as np
@@ -33,9 +31,9 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from kvram import _checks
-from kvram.model import Model, all_finite, bad_inputs
-
-__all__ = ["PipelineModel", "balance", "Balance"]
+from kvram.layers import Checkpoint
+from kvram.parallel._deferred import DeferredKernels
+from kvram.training import Model, _step
 
 
 def _device(name) -> str:
@@ -147,8 +145,6 @@ class PipelineModel(Model):
         self.defer_weight_gradients = _checks.boolean("defer_weight_gradients", defer_weight_gradients)
         super().__init__(**kwargs)
         if checkpoint:
-            from kvram.layers import Checkpoint
-
             stages = [s if isinstance(s, Checkpoint) else Checkpoint(s) for s in stages]
         self.stages = stages
 
@@ -225,7 +221,7 @@ class PipelineModel(Model):
         sums: list[list] = [[None] * len(vs) for vs in stage_vars]
         last = self.device_names[-1]
 
-        deferred = _DeferredKernels(self.stages, self.defer_weight_gradients)
+        deferred = DeferredKernels(self.stages, self.defer_weight_gradients)
         with deferred.deferring():
             records = self._forward(x, y, sample_weight, starts, sizes, total)
         sums = self._backward(records, stage_vars, all_vars, sums)
@@ -240,17 +236,18 @@ class PipelineModel(Model):
         trainable = self.trainable_weights
         gradients = [gradients_by_id.get(id(v)) for v in trainable]
         if trainable:
-            finite = all_finite(gradients)
+            finite = _step.all_finite(gradients)
             # The batch is checked where its parts are used: x by the first
             # stage, y and the weights by the loss on the last.
             with tf.device(self.device_names[0]):
-                bad_x = bad_inputs(finite, x)
+                bad_x = _step.bad_inputs(finite, x)
             with tf.device(last):
-                bad_y = bad_inputs(finite, (y, sample_weight))
-            self._apply_gradients(
-                gradients, trainable, finite=finite, bad_inputs=tf.logical_or(bad_x, bad_y)
+                bad_y = _step.bad_inputs(finite, (y, sample_weight))
+            _step.apply_gradients(
+                self, self._step_state, gradients, trainable, finite=finite,
+                bad_inputs=tf.logical_or(bad_x, bad_y),
             )
-        return self._kvram_logs(self.get_metrics_result())
+        return _step.step_logs(self, self._step_state, self.get_metrics_result())
 
     def _forward(self, x, y, sample_weight, starts, sizes, total):
         """Every slice through every stage, each stage on its device: per
@@ -340,108 +337,6 @@ class PipelineModel(Model):
 
 def _cut(t, start, size):
     return None if t is None else t[start : start + size]
-
-
-class _DeferredKernels:
-    """Zero Bubble's B/W split (Qi et al. 2023, "Zero Bubble Pipeline
-    Parallelism") for the `keras.layers.Dense` layers of the stages.
-
-    Within `deferring()`, each such layer's product with its kernel has a
-    gradient that gives the input gradient only (dy @ kernel^T) and records
-    the product's input and output gradient; `gradients(k)` then gives each of
-    stage k's kernels its gradient over every recorded slice at once,
-    concat(inputs)^T @ concat(output gradients): one matrix product over the
-    whole batch in place of one per slice (a reduction over a slice's rows
-    only) and the additions of their results.
-    """
-
-    def __init__(self, stages, enabled=True):
-        self.layers = [_deferrable_dense(stage) if enabled else [] for stage in stages]
-        self.records: dict = {}
-
-    @contextlib.contextmanager
-    def deferring(self):
-        layers = [layer for stage in self.layers for layer in stage]
-        for layer in layers:
-            self.records[id(layer)] = []
-            # An instance attribute, so Keras's Layer.__call__ calls it; set
-            # past Keras's attribute tracking, and removed after.
-            object.__setattr__(layer, "call", self._call(layer))
-        try:
-            yield
-        finally:
-            for layer in layers:
-                object.__delattr__(layer, "call")
-
-    def _call(self, layer):
-        records = self.records[id(layer)]
-
-        def call(inputs, training=None):
-            x = _deferred_matmul(inputs, tf.convert_to_tensor(layer.kernel), records)
-            if layer.bias is not None:
-                x = keras.ops.add(x, layer.bias)
-            if layer.activation is not None:
-                x = layer.activation(x)
-            return x
-
-        return call
-
-    def gradients(self, k):
-        """(kernel variable, its gradient summed over the slices) for stage k's
-        layers whose products were recorded."""
-        out = []
-        for layer in self.layers[k]:
-            records = self.records.get(id(layer))
-            if not records:
-                continue
-            inputs, output_gradients = zip(*records)
-            units_in, units_out = layer.kernel.shape
-            flat_inputs = tf.reshape(tf.concat(inputs, 0), [-1, units_in])
-            flat_gradients = tf.reshape(tf.concat(output_gradients, 0), [-1, units_out])
-            gradient = tf.matmul(flat_inputs, flat_gradients, transpose_a=True)
-            out.append((layer.kernel, tf.cast(gradient, layer.kernel.dtype)))
-        return out
-
-
-def _deferrable_dense(stage) -> list:
-    """The `keras.layers.Dense` layers in `stage` (itself included) whose kernel
-    gradient `_DeferredKernels` can take over: Keras's own `call`, trainable,
-    no LoRA, not quantized, not inside a `kvram.layers.Checkpoint` (there the
-    gradient is computed in the recomputation)."""
-    from kvram.layers import Checkpoint
-
-    found, queue, seen = [], [stage], set()
-    while queue:
-        layer = queue.pop(0)
-        if id(layer) in seen or isinstance(layer, Checkpoint):
-            continue
-        seen.add(id(layer))
-        if (
-            isinstance(layer, keras.layers.Dense)
-            and type(layer).call is keras.layers.Dense.call
-            and layer.trainable
-            and not layer.lora_enabled
-            and not layer.quantization_mode
-            and len(layer.kernel.shape) == 2
-        ):
-            found.append(layer)
-        queue.extend(layer._flatten_layers(include_self=False, recursive=False))
-    return found
-
-
-def _deferred_matmul(inputs, kernel, records):
-    """inputs @ kernel, whose gradient is the input gradient alone; (inputs,
-    output gradient) is appended to `records` for the kernel's."""
-
-    @tf.custom_gradient
-    def product(x, w):
-        def gradient(dy):
-            records.append((x, dy))
-            return tf.matmul(dy, tf.cast(w, dy.dtype), transpose_b=True), None
-
-        return keras.ops.matmul(x, w), gradient
-
-    return product(inputs, kernel)
 
 
 def _without_host_swapping():
@@ -540,102 +435,3 @@ def _place_optimizer_on_variable_devices(optimizer) -> None:
     optimizer.add_variable_from_reference = add_variable_from_reference
     optimizer.update_step = update_step
     optimizer._kvram_placed = True
-
-
-@dataclasses.dataclass
-class Balance:
-    """What `balance` decided: `stages` (one `keras.Sequential` per device), the
-    `devices`, each layer's measured `costs`, the `groups` of layer indices, and
-    `report`, a text saying why."""
-
-    stages: list
-    devices: list
-    costs: list
-    groups: list
-    by: str
-    report: str
-
-
-def balance(layers, devices, by: str = "memory", sample_batch=None, repeats: int = 3) -> Balance:
-    """Splits a sequence of layers into one contiguous stage per device.
-
-    Each layer's cost is measured on `sample_batch` (a batch of the first
-    layer's input): `by="memory"` counts its parameter bytes (weights, gradients
-    and two optimizer slots: 4x) plus its output activation bytes for that batch;
-    `by="time"` times its forward and backward pass (median of `repeats`). The
-    split minimises the largest stage's total (exact dynamic programme over the
-    contiguous splits).
-
-    Returns:
-        A `Balance`; `PipelineModel(result.stages, result.devices)` uses it.
-    """
-    layers = list(layers)
-    devices = list(devices)
-    if by not in ("memory", "time"):
-        raise ValueError(f"`by` must be 'memory' or 'time'. Received: by={by!r}")
-    if not layers or not all(isinstance(layer, keras.layers.Layer) for layer in layers):
-        raise TypeError("`layers` must be a non-empty list of Keras layers.")
-    if len(devices) < 1 or len(devices) > len(layers):
-        raise ValueError(
-            f"Need between 1 and {len(layers)} devices for {len(layers)} layers. "
-            f"Received: {len(devices)} devices"
-        )
-    if sample_batch is None:
-        raise ValueError("`sample_batch` is needed to build the layers and measure them.")
-    costs = []
-    h = tf.convert_to_tensor(sample_batch)
-    for original in layers:
-        # Measure a copy: building the layer itself here would create its
-        # variables on the default device, before PipelineModel places them.
-        layer = original.__class__.from_config(original.get_config())
-        with tf.GradientTape() as tape:
-            tape.watch(h)
-            out = layer(h, training=True)
-        if by == "memory":
-            params = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in layer.weights)
-            activation = int(np.prod(out.shape)) * out.dtype.size
-            costs.append(4 * params + activation)
-        else:
-            seconds = []
-            for _ in range(max(1, repeats)):
-                started = time.perf_counter()
-                with tf.GradientTape() as tape:
-                    tape.watch(h)
-                    y = layer(h, training=True)
-                grads = tape.gradient(y, [h] + layer.trainable_weights)
-                _ = [np.asarray(g) for g in grads if g is not None]
-                seconds.append(time.perf_counter() - started)
-            costs.append(float(np.median(seconds)))
-        h = out
-    groups = _partition(costs, len(devices))
-    stages = [keras.Sequential([layers[i] for i in group]) for group in groups]
-    unit = "bytes" if by == "memory" else "s"
-    totals = [sum(costs[i] for i in group) for group in groups]
-    lines = [f"balance by {by}: {len(layers)} layers over {len(devices)} devices"]
-    for group, total, device in zip(groups, totals, devices):
-        names = ", ".join(layers[i].name for i in group)
-        lines.append(f"  {device}: layers {group[0]}-{group[-1]} ({names}): {total:.4g} {unit}")
-    lines.append(f"  largest stage {max(totals):.4g} {unit}, total {sum(totals):.4g} {unit}; "
-                 "no other contiguous split has a smaller largest stage")
-    return Balance(stages, devices, costs, groups, by, "\n".join(lines))
-
-
-def _partition(costs, parts):
-    """Contiguous split of `costs` into `parts` groups minimising the largest sum."""
-    n = len(costs)
-    prefix = np.concatenate([[0.0], np.cumsum(costs)])
-    best = np.full((parts + 1, n + 1), np.inf)
-    cut = np.zeros((parts + 1, n + 1), dtype=int)
-    best[0, 0] = 0.0
-    for p in range(1, parts + 1):
-        for j in range(p, n + 1):
-            for i in range(p - 1, j):
-                value = max(best[p - 1, i], prefix[j] - prefix[i])
-                if value < best[p, j]:
-                    best[p, j], cut[p, j] = value, i
-    groups, j = [], n
-    for p in range(parts, 0, -1):
-        i = cut[p, j]
-        groups.append(list(range(i, j)))
-        j = i
-    return groups[::-1]

@@ -1,30 +1,24 @@
-"""Callbacks for `fit()`: memory-aware micro-batching that survives out-of-memory
-errors, a search for the largest micro-batch, and a per-step memory log."""
+"""`AdaptiveBatchSize`: sizes a `kvram.Model`'s micro-batch by memory during
+`fit()`, and recovers from out-of-memory errors by running the same batch
+again at a smaller one."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import gc
 import logging
-import math
-import os
 import time
-import warnings
-from typing import NamedTuple
 
 import keras
-import numpy as np
-import tensorflow as tf
-from keras import tree
 from keras.src.utils import io_utils
 
-from kvram import _batch_statistics, _checks, memory
-from kvram._train_function import TrainFunction, is_out_of_memory, unique
+from kvram import _checks, memory
+from kvram.training import Model
+from kvram.training._batch_statistics import least_rows
 
-__all__ = ["AdaptiveBatchSize", "MemoryLogger", "find_max_batch_size", "BatchSizeSearch"]
 
 _log = logging.getLogger("kvram")
+
+
 _MIB = 2.0**20
 
 
@@ -49,8 +43,14 @@ class BatchEvent:
 # Rows a batch needs before its first size is probed; the probes' sizes, as a
 # share of the batch; the smallest gain worth a change of size (hysteresis).
 _PROBE_MIN_ROWS = 32
+
+
 _PROBE_SHARE = 32
+
+
 _MIN_GAIN = 0.10
+
+
 # A new slice shape's first run (cuDNN autotuning) is weighed against the time a
 # larger slice saves only when it costs at least this many seconds.
 _MIN_SHAPE_SECONDS = 1.0
@@ -218,8 +218,6 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
 
     # --- Keras callback hooks -------------------------------------------------
     def on_train_begin(self, logs=None):
-        from kvram.model import Model
-
         if not isinstance(self.model, Model):
             raise TypeError(
                 "AdaptiveBatchSize needs a kvram.Model, whose training step can slice "
@@ -227,7 +225,7 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
             )
         self._limit = self.memory_limit or memory.limit_bytes(self.device)
         self._measure_next = False  # the first step also traces and compiles
-        self._least_slice = _batch_statistics.least_rows(self.model)
+        self._least_slice = least_rows(self.model)
         if self.min_micro_batch < self._least_slice:
             text = (f"AdaptiveBatchSize: min_micro_batch raised from {self.min_micro_batch} to "
                     f"{self._least_slice}: a BatchNormalization layer normalises over the batch axis alone, "
@@ -483,379 +481,3 @@ class AdaptiveBatchSize(keras.callbacks.Callback):
 
 def _mib(value) -> str:
     return "?" if value is None else f"{value / _MIB:.0f} MiB"
-
-
-class BatchSizeSearch(NamedTuple):
-    """What `find_max_batch_size` found: the size and every probe, in order."""
-
-    size: int
-    probes: list
-
-
-def find_max_batch_size(
-    model,
-    sample_batch,
-    low: int = 1,
-    high: int | None = None,
-    margin: float = 0.1,
-    verbose: int = 1,
-) -> BatchSizeSearch:
-    """The largest micro-batch a compiled `kvram.Model` trains with, and the probes.
-
-    Each probe runs one full training step (forward, backward, update; with the
-    gradient sum of a second slice) on `sample_batch`'s rows repeated to the probed
-    size (one compiled step serves every size), catches an out-of-memory error if one comes, and puts every weight,
-    optimizer and metric variable back as it was: the model is unchanged
-    afterwards. Sizes grow by doubling from `low` until one fails (when `high`
-    is given and at least 8x `low`, `high` is probed first), then the search
-    bisects (in log space) between the largest size that trained and the
-    smallest that failed, until the returned size is within `margin` of the
-    true maximum.
-
-    Args:
-        model: a compiled `kvram.Model`.
-        sample_batch: `(x, y)` or `(x, y, sample_weight)` with at least one row.
-        low: int >= 1, the smallest size; an error is raised if it does not fit.
-        high: None or int >= low, the largest size worth trying.
-        margin: float in (0, 1), relative precision of the answer.
-        verbose: 0 or 1, print each probe.
-
-    Returns:
-        `BatchSizeSearch(size, probes)`; each probe is a dict with `size`,
-        `fits`, `seconds` and `error` (the OOM message's first line, or None).
-
-    Raises:
-        RuntimeError: when `low` does not fit.
-    """
-    from kvram.model import Model
-
-    if not isinstance(model, Model):
-        raise TypeError(
-            f"find_max_batch_size needs a kvram.Model. Received: a {type(model).__name__}"
-        )
-    if getattr(model, "optimizer", None) is None:
-        raise ValueError("Compile the model before find_max_batch_size(model, ...).")
-    low = _checks.positive_int("low", low)
-    high = _checks.positive_int("high", high, allow_none=True)
-    if high is not None and high < low:
-        raise ValueError(f"`high` must be >= `low`. Received: low={low}, high={high}")
-    margin = _checks.positive_float("margin", margin)
-    if margin >= 1:
-        raise ValueError(f"`margin` must be in (0, 1). Received: margin={margin!r}")
-    sample_batch = tuple(sample_batch) if isinstance(sample_batch, (list, tuple)) else (sample_batch,)
-    rows = int(np.shape(next(t for t in tree.flatten(sample_batch) if t is not None))[0])
-    if rows < 1:
-        raise ValueError("`sample_batch` must hold at least one row. Received: 0 rows")
-
-    probes: list[dict] = []
-    previous_size, previous_function = model._micro_batch_size, model.train_function
-    function = TrainFunction(model)
-    function.build(tree.map_structure(
-        lambda t: None if t is None else tf.convert_to_tensor(t), sample_batch
-    ))
-    # One compiled gradient pass for every probed size (its size is an argument).
-    gradients = function.gradients_function(tree.map_structure(
-        lambda t: None if t is None else tf.convert_to_tensor(t), sample_batch
-    ))
-    apply = function.apply_function()
-    saved = [(v, v.numpy()) for v in _all_variables(model)]
-
-    def probe(size: int) -> bool:
-        index = np.arange(size + 1) % rows  # size rows, plus a one-row second slice
-        batch = tree.map_structure(
-            lambda t: None if t is None else tf.gather(tf.convert_to_tensor(t), index),
-            sample_batch,
-        )
-        model._micro_batch_size = size
-        started = time.perf_counter()
-        error_text = None
-        try:
-            logs = apply(gradients(batch, tf.constant(size, tf.int32)))
-            tree.map_structure(lambda t: np.asarray(t), logs)  # wait for the device
-            fits = True
-        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as error:
-            if not is_out_of_memory(error):
-                raise
-            fits, error_text = False, str(error).strip().splitlines()[0][:200]
-        finally:
-            for variable, value in saved:
-                variable.assign(value)
-            del batch
-            gc.collect()
-        probes.append(
-            {
-                "size": size,
-                "fits": fits,
-                "seconds": time.perf_counter() - started,
-                "error": error_text,
-            }
-        )
-        if verbose:
-            io_utils.print_msg(
-                f"find_max_batch_size: {size} {'fits' if fits else 'out of memory'}"
-            )
-        return fits
-
-    try:
-        if not probe(low):
-            raise RuntimeError(
-                f"find_max_batch_size: not even low={low} rows fit in memory "
-                f"({probes[-1]['error']})."
-            )
-        good, bad = low, None
-        if high is not None:
-            bad = high + 1
-            if high >= 8 * low and high > low:
-                if probe(high):
-                    return BatchSizeSearch(high, probes)
-                bad = high
-        else:
-            while True:  # growth
-                size = 2 * good
-                if probe(size):
-                    good = size
-                else:
-                    bad = size
-                    break
-        # Bisection in log space, until any size above `good` that might fit is
-        # within `margin` of it.
-        while bad - good > 1 and (bad - 1) * (1 - margin) > good:
-            size = int(round(math.sqrt(good * bad)))
-            size = min(max(size, good + 1), bad - 1)
-            if probe(size):
-                good = size
-            else:
-                bad = size
-        return BatchSizeSearch(good, probes)
-    finally:
-        model._micro_batch_size = previous_size
-        model.train_function = previous_function
-
-
-def _all_variables(model) -> list:
-    variables = list(model.variables) + list(model.metrics_variables) + model._kvram_counters()
-    if model.optimizer is not None:
-        variables += list(model.optimizer.variables)
-    return unique(variables)
-
-
-class MemoryLogger(keras.callbacks.Callback):
-    """Writes each training step's memory to CSV and TensorBoard, and a PNG timeline.
-
-    Per step: TF allocator current and peak bytes on `device` (peak reset at the
-    start of each step), the micro-batch size, the loss, the loss scale and the
-    skipped-step count. Files in `logdir`:
-
-    - `memory.csv`: one row per step (written as it goes, so a crash keeps it).
-    - TensorBoard event files (`tensorboard --logdir logdir`): scalars under
-      `memory/` and `batch/`.
-    - `events.csv`: AdaptiveBatchSize's changes (OOM recoveries, grow, shrink).
-    - `memory.png` at the end of training: current and peak MiB per step, OOM
-      recoveries as red lines, micro-batch changes as grey lines, and the
-      micro-batch size on a second axis (matplotlib, imported then; without it
-      a warning says the PNG was not written).
-
-    Args:
-        logdir: directory to write to (created if missing).
-        device: None ("GPU:0" when a GPU is visible, else "CPU:0") or a device name.
-        plot: bool, write `memory.png` at the end.
-    """
-
-    COLUMNS = (
-        "step",
-        "epoch",
-        "batch",
-        "seconds",
-        "current_bytes",
-        "peak_bytes",
-        "micro_batch_size",
-        "loss",
-        "loss_scale",
-        "skipped_steps",
-    )
-
-    def __init__(self, logdir, device: str | None = None, plot: bool = True):
-        super().__init__()
-        if not isinstance(logdir, (str, os.PathLike)):
-            raise TypeError(f"`logdir` must be a path. Received: logdir={logdir!r}")
-        self.logdir = os.fspath(logdir)
-        _check_writable_directory(self.logdir)
-        self.device = memory._device_name(device)
-        self.plot = _checks.boolean("plot", plot)
-        self._write_error: OSError | None = None
-        self.rows: list[dict] = []
-        self._file = None
-        self._writer = None
-        self._writer_tf = None
-        self._step = 0
-        self._epoch = 0
-        self._started = 0.0
-
-    def on_train_begin(self, logs=None):
-        _check_writable_directory(self.logdir)  # before any step: nothing is lost
-        try:
-            os.makedirs(self.logdir, exist_ok=True)
-            self._file = open(os.path.join(self.logdir, "memory.csv"), "w", newline="")
-        except OSError as error:
-            raise OSError(
-                f"MemoryLogger cannot write its logs to {self.logdir} ({error}). "
-                f"Received: logdir={self.logdir!r}"
-            ) from error
-        self.rows = []
-        self._write_error = None
-        self._writer = csv.DictWriter(self._file, fieldnames=self.COLUMNS)
-        self._writer.writeheader()
-        self._writer_tf = tf.summary.create_file_writer(self.logdir)
-        self._started = time.perf_counter()
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        memory.reset_peak(self.device)
-
-    def on_train_batch_end(self, batch, logs=None):
-        logs = {k: _scalar(v) for k, v in (logs or {}).items()}  # also waits for the step
-        row = {
-            "step": self._step,
-            "epoch": self._epoch,
-            "batch": batch,
-            "seconds": round(time.perf_counter() - self._started, 6),
-            "current_bytes": memory.current_bytes(self.device),
-            "peak_bytes": memory.peak_bytes(self.device),
-            "micro_batch_size": getattr(self.model, "micro_batch_size", None),
-            "loss": logs.get("loss"),
-            "loss_scale": logs.get("loss_scale"),
-            "skipped_steps": logs.get("skipped_steps"),
-        }
-        self.rows.append(row)
-        self._step += 1
-        if self._write_error is not None:
-            return
-        try:
-            self._writer.writerow(row)
-            self._file.flush()
-            with self._writer_tf.as_default(step=row["step"]):
-                _scalar_summary("memory/current_mib", row["current_bytes"] / _MIB)
-                _scalar_summary("memory/peak_mib", row["peak_bytes"] / _MIB)
-                for name in ("micro_batch_size", "loss", "loss_scale", "skipped_steps"):
-                    if row[name] is not None:
-                        _scalar_summary(f"batch/{name}", float(row[name]))
-        except OSError as error:  # a full disk must not stop training
-            self._write_error = error
-            warnings.warn(
-                f"MemoryLogger: writing to {self.logdir} failed at step {row['step']} "
-                f"({error}); training goes on, and the rows are kept in memory "
-                "(MemoryLogger.rows) but no longer written.",
-                stacklevel=2,
-            )
-
-    def on_train_end(self, logs=None):
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:
-                pass
-            self._file = None
-        if self._writer_tf is not None:
-            try:
-                self._writer_tf.flush()
-                self._writer_tf.close()
-            except (OSError, tf.errors.OpError):
-                pass
-        if self._write_error is not None:
-            return  # warned already; the rows are in self.rows
-        events = self._events()
-        with open(os.path.join(self.logdir, "events.csv"), "w", newline="") as handle:
-            fields = [f.name for f in dataclasses.fields(BatchEvent)]
-            writer = csv.DictWriter(handle, fieldnames=fields)
-            writer.writeheader()
-            for event in events:
-                writer.writerow(event.as_dict())
-        if self.plot:
-            try:
-                self.plot_timeline(os.path.join(self.logdir, "memory.png"), events)
-            except ImportError:
-                warnings.warn(
-                    "MemoryLogger: matplotlib is not installed, so memory.png was not "
-                    "written (pip install matplotlib, or kvram[plot]); the CSV and "
-                    "TensorBoard logs are complete.",
-                    stacklevel=2,
-                )
-
-    def _events(self) -> list:
-        controller = getattr(self.model, "_batch_controller", None)
-        return list(getattr(controller, "events", []))
-
-    def plot_timeline(self, path: str, events=()) -> str:
-        """Writes the memory timeline of the rows logged so far to `path` (PNG)."""
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-
-        steps = [r["step"] for r in self.rows]
-        figure, axis = plt.subplots(figsize=(10, 4.5))
-        axis.plot(steps, [r["current_bytes"] / _MIB for r in self.rows], label="current")
-        axis.plot(steps, [r["peak_bytes"] / _MIB for r in self.rows], label="peak in step")
-        axis.set_xlabel("training step")
-        axis.set_ylabel(f"{self.device} MiB (TF allocator)")
-        for event in events:
-            if event.kind == "oom":
-                axis.axvline(event.step, color="red", linestyle="-", alpha=0.6)
-            elif event.kind in ("grow", "shrink"):
-                axis.axvline(event.step, color="grey", linestyle="--", alpha=0.6)
-        sizes = [r["micro_batch_size"] for r in self.rows]
-        if any(s is not None for s in sizes):
-            twin = axis.twinx()
-            twin.step(steps, [np.nan if s is None else s for s in sizes], where="post",
-                      color="black", alpha=0.5, label="micro-batch")
-            twin.set_ylabel("micro-batch rows")
-        ooms = sum(e.kind == "oom" for e in events)
-        changes = sum(e.kind in ("grow", "shrink") for e in events)
-        axis.set_title(f"memory per step ({ooms} OOM recoveries in red, {changes} changes in grey)")
-        axis.legend(loc="upper left")
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        return path
-
-
-def _scalar_summary(tag: str, value: float) -> None:
-    """A TensorBoard scalar, written by TF's core summary op.
-
-    `tf.summary.scalar` needs the `tensorboard` package installed in the training
-    environment; this writes the same record (scalars plugin metadata) without it.
-    """
-    from tensorflow.core.framework import summary_pb2
-
-    metadata = summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
-    )
-    tf.summary.write(tag, tf.constant(value, tf.float32), metadata=metadata)
-
-
-def _check_writable_directory(path: str) -> None:
-    """Raises if `path` cannot be a directory this process writes to."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if existing == os.path.abspath(path) and not os.path.isdir(existing):
-        problem = "it is a file, not a directory"
-    elif not os.path.isdir(existing):
-        problem = f"{existing} is a file, so no directory can be made under it"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        problem = f"{existing} is not writable by this process"
-    else:
-        return
-    raise ValueError(
-        f"MemoryLogger cannot write its logs to {path}: {problem}. Received: logdir={path!r}"
-    )
-
-
-def _scalar(value):
-    try:
-        array = np.asarray(value)
-    except Exception:  # noqa: BLE001 - logs may hold anything a user's metric returns
-        return None
-    return float(array) if array.size == 1 else None

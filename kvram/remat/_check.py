@@ -1,0 +1,116 @@
+"""Step 4 of planning (`_plan`'s docstring): a choice checked by running the
+training step as it will train (XLA-compiled, or on the graph executor), its
+allocator peak measured; a step out of the device's memory is an
+`_OutOfMemory`, not an error."""
+
+from __future__ import annotations
+
+import gc
+
+import keras
+import tensorflow as tf
+
+from kvram import memory
+from kvram.remat._profile import _PROFILE_STEPS
+from kvram.remat._segments import _groups, rebuild
+
+
+def _batch(sample_batch):
+    if isinstance(sample_batch, (tuple, list)):
+        if not 1 <= len(sample_batch) <= 3:
+            raise ValueError(
+                "sample_batch must be x or a tuple (x, y) or (x, y, sample_weight). "
+                f"Received a {type(sample_batch).__name__} of {len(sample_batch)} items."
+            )
+        x, y = sample_batch[0], (sample_batch[1] if len(sample_batch) > 1 else None)
+    else:
+        x, y = sample_batch, None
+    x = tf.convert_to_tensor(x)
+    if x.shape.rank is None or x.shape.rank < 1 or x.shape[0] == 0:
+        raise ValueError(f"sample_batch's x must have a batch dimension of >= 1 rows. Received shape {x.shape}.")
+    if y is None:
+        return x, None
+    y = tf.convert_to_tensor(y)
+    if y.shape.rank is None or y.shape.rank < 1 or y.shape[0] != x.shape[0]:
+        raise ValueError(
+            "sample_batch's x and y must hold the same rows, one target per sample. Received: x of "
+            f"shape {tuple(x.shape)} ({x.shape[0]} rows), y of shape {tuple(y.shape)}"
+            f"{f' ({y.shape[0]} rows)' if y.shape.rank else ''}."
+        )
+    return x, y
+
+
+def _loss_function(model, loss):
+    if loss is None:
+        loss = getattr(model, "loss", None)
+    if loss is None:
+        return lambda y, out: 0.5 * tf.reduce_mean(tf.square(tf.cast(out, "float32")))
+    loss = keras.losses.get(loss)
+    return lambda y, out: tf.reduce_mean(loss(y, tf.cast(out, "float32")))
+
+
+def _uses_xla(model, jit_compile, device) -> bool:
+    if jit_compile == "auto":
+        from keras.src.trainers.trainer import model_supports_jit
+
+        return device.startswith("GPU") and model_supports_jit(model)
+    if not isinstance(jit_compile, bool):
+        raise ValueError(f'jit_compile must be True, False or "auto". Received: {jit_compile!r}')
+    return jit_compile
+
+
+def _step_check(model, chain, x, y, loss_fn, device, jit):
+    """A function of runs returning the measured peak (bytes beyond the step's
+    start) of the training step of `model` with those runs recomputed, as it
+    will train: XLA-compiled (`jit`; one run after the compiling one: XLA
+    fixes its buffers at compile time) or on the graph executor (the highest
+    of three runs: its op order varies). Results are kept by runs."""
+    done = {}
+
+    def check(runs):
+        runs = tuple(runs)
+        if runs not in done:
+            trained = rebuild(model, *_groups(runs, len(chain))) if runs else model
+            done[runs] = _step_peak(trained, x, y, loss_fn, device, jit)
+        return done[runs]
+
+    return check
+
+
+class _OutOfMemory(int):
+    """A checked step that ran out of the device's memory: the bytes free when
+    it started (a lower bound of its peak)."""
+
+    def __repr__(self) -> str:
+        return f"_OutOfMemory(at least {int(self):,})"
+
+
+def _step_peak(model, x, y, loss_fn, device, jit) -> int:
+    try:
+        return _step_peak_or_raise(model, x, y, loss_fn, device, jit)
+    except tf.errors.ResourceExhaustedError:
+        gc.collect()
+        limit = memory.limit_bytes(device)
+        return _OutOfMemory(max(1, limit - memory.current_bytes(device)) if limit else 1)
+
+
+def _step_peak_or_raise(model, x, y, loss_fn, device, jit) -> int:
+    variables = model.trainable_variables
+
+    @tf.function(jit_compile=jit)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        # Returned, as a training step holds them until the optimizer applies them.
+        return tape.gradient(loss, variables)
+
+    gradients = step(x, y)  # traces (and compiles)
+    del gradients
+    memory.reset_peak(device)
+    start = memory.current_bytes(device)
+    for _ in range(1 if jit else _PROFILE_STEPS):
+        gradients = None  # the previous step's are not held during the next
+        gradients = step(x, y)
+    peak = memory.peak_bytes(device) - start
+    del gradients
+    return peak

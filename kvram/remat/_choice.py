@@ -1,0 +1,189 @@
+"""Steps 2 and 3 of planning (`_plan`'s docstring): the predicted peak of any
+choice of runs to recompute, and the exact dynamic programme that chooses the
+least recomputation within a budget; the least-memory candidates."""
+
+from __future__ import annotations
+
+import math
+
+
+def _runs(checkpointed):
+    """[(first, last)] of the runs of consecutive True entries."""
+    runs, start = [], None
+    for i, flag in enumerate(list(checkpointed) + [False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i - 1))
+            start = None
+    return runs
+
+
+def _saving(profile, first, last) -> int:
+    """Bytes freed for the rest of the step by recomputing segments first..last:
+    what they kept, less their output, which stays for the next segment."""
+    return sum(profile.kept[first : last + 1]) - profile.output[last]
+
+
+def _run_need(profile, first, last) -> int:
+    """The highest allocation while a checkpointed run first..last runs, before
+    the savings of earlier runs: what its segments needed unmodified, or its
+    recomputation, which starts when the gradient reaches its output (the
+    later segments' weight gradients are held then, unlike in the forward pass)
+    and adds the largest forward transient of its segments."""
+    need = max(profile.need[first : last + 1])
+    if profile.recompute[last] is None:
+        return need
+    # tf.recompute_grad recomputes from two copies of the run's input (an
+    # identity, then an add that orders the recomputation after the gradient).
+    copies = 2 * (profile.output[first - 1] if first else profile.input)
+    return max(need, profile.recompute[last] + copies + max(profile.transient[first : last + 1]))
+
+
+def _predict(profile, runs) -> int:
+    """Predicted step peak (bytes beyond the step's start) when each run
+    (first, last) of segments is one `Checkpoint`. A segment's stretch of the
+    step holds what it held unmodified, less the savings of the runs that end
+    before it (a checkpointed run's own activations are all back while its
+    backward pass runs)."""
+    peak, saved, r = 0, 0, 0
+    n = len(profile.need)
+    i = 0
+    while i < n:
+        if r < len(runs) and runs[r][0] == i:
+            first, last = runs[r]
+            peak = max(peak, _run_need(profile, first, last) - saved)
+            saved += _saving(profile, first, last)
+            r, i = r + 1, last + 1
+        else:
+            peak = max(peak, profile.need[i] - saved)
+            i += 1
+    return max(peak, profile.head - saved)
+
+
+def _choose(profile, budget):
+    """The runs with the least recomputed FLOPs whose predicted peak is within
+    `budget` (bytes beyond the step's start), or None. Exact: a dynamic
+    programme over the chain keeping, after each prefix, the Pareto front of
+    (recomputed FLOPs, bytes saved so far)."""
+    n = len(profile.need)
+    # front[j]: states after deciding segments 0..j-1: (flops, saved, runs)
+    front = [[] for _ in range(n + 1)]
+    front[0] = [(0, 0, ())]
+    for j in range(n):
+        front[j] = _pareto(front[j])
+        for flops, saved, runs in front[j]:
+            if profile.need[j] - saved <= budget:
+                front[j + 1].append((flops, saved, runs))
+            worst, cost = 0, 0
+            for k in range(j, n):
+                worst = max(worst, profile.need[k])
+                cost += profile.flops[k]
+                if worst - saved > budget:
+                    break  # every longer run needs at least as much
+                gain = _saving(profile, j, k)
+                if gain > 0 and _run_need(profile, j, k) - saved <= budget:
+                    front[k + 1].append((flops + cost, saved + gain, runs + ((j, k),)))
+    done = [s for s in _pareto(front[n]) if profile.head - s[1] <= budget]
+    return min(done, key=lambda s: s[0])[2] if done else None
+
+
+def _pareto(states):
+    """States not beaten by another with no more FLOPs and at least as much saved."""
+    kept, best = [], -1
+    for state in sorted(states, key=lambda s: (s[0], -s[1])):
+        if state[1] > best:
+            kept.append(state)
+            best = state[1]
+    return kept
+
+
+def _minimum(profile) -> int:
+    """The least predicted step peak any choice reaches (bisection on the
+    budget; each test is the largest saving reachable, greedy-exact on the
+    chain)."""
+
+    def feasible(budget):
+        best = [-1] * (n + 1)
+        best[0] = 0
+        for j in range(n):
+            saved = best[j]
+            if saved < 0:
+                continue
+            if profile.need[j] - saved <= budget:
+                best[j + 1] = max(best[j + 1], saved)
+            worst = 0
+            for k in range(j, n):
+                worst = max(worst, profile.need[k])
+                if worst - saved > budget:
+                    break
+                if _run_need(profile, j, k) - saved <= budget:
+                    best[k + 1] = max(best[k + 1], saved + max(0, _saving(profile, j, k)))
+        return best[n] >= 0 and profile.head - best[n] <= budget
+
+    n = len(profile.need)
+    low, high = 0, _predict(profile, [])
+    while high - low > max(1, high // 2000):
+        middle = (low + high) // 2
+        if feasible(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+# The least-memory candidates besides the programme's choice at its least
+# predicted peak: its choices at these multiples of that peak (fewer, longer
+# or shorter runs), and the square-root split.
+_LEAST_SLACK = (1.05, 1.1)
+
+
+# Checked peaks within this fraction of the lowest count as equal: the one
+# with the least recomputation is taken.
+_LEAST_TIE = 0.02
+
+
+def _sqrt_runs(n):
+    """Chen et al. 2016's split: every segment recomputed, in runs of about
+    sqrt(n) segments (only the runs' inputs are kept)."""
+    k = max(1, round(math.sqrt(n)))
+    return tuple((i, min(i + k, n) - 1) for i in range(0, n, k))
+
+
+def _least_candidates(profile, low, every=True):
+    """Choices that may reach the least peak: the programme's at its least
+    predicted peak `low` (`_minimum`), and (`every`) its choices at
+    `_LEAST_SLACK` times that and the square-root split (distinct, in that
+    order)."""
+    candidates = [tuple(_choose(profile, low))]
+    if not every:
+        return candidates
+    for slack in _LEAST_SLACK:
+        runs = _choose(profile, int(low * slack))
+        if runs is not None:
+            candidates.append(tuple(runs))
+    candidates.append(_sqrt_runs(len(profile.need)))
+    return list(dict.fromkeys(candidates))
+
+
+def _spread_candidates(profile, low):
+    """The programme's choices at `_SPREAD` of the way from the least
+    predicted peak `low` to the plain step's."""
+    high = _predict(profile, [])
+    found = [_choose(profile, int(low + f * (high - low))) for f in _SPREAD]
+    return [tuple(runs) for runs in found if runs]
+
+
+def _one_run_fewer(candidates):
+    """Each candidate with one of its runs (of two or more) left out."""
+    return [r[:i] + r[i + 1:] for r in candidates if len(r) > 1 for i in range(len(r))]
+
+
+# Where `_spread_candidates` takes the programme's choices, from the least
+# predicted peak (0) to the plain step's (1).
+_SPREAD = (0.1, 0.2, 0.35, 0.5)
+
+
+def _recomputed(profile, runs) -> int:
+    """Forward FLOPs recomputed by `runs`."""
+    return sum(profile.flops[i] for a, b in runs for i in range(a, b + 1))

@@ -1,0 +1,454 @@
+"""Will it fit, and at what cost? `kvram.remat.estimate` and `kvram plan`.
+
+For each precision policy and micro-batch size, one model is built and its
+training step is measured cut by cut (`kvram.remat.plan`'s measurement) at two
+small batches; every byte count is then extrapolated linearly in the rows of
+a slice (activations grow with the rows, variables do not), so a model whose
+plain step would not fit the device can still be planned. For each
+configuration the table gives the predicted peak without checkpointing, with
+the least recomputation that fits the memory (less a margin), and with the
+least memory, and the predicted step time relative to the whole batch without
+checkpointing in the same precision: 1 + the recomputed FLOPs' fraction of a
+step + `micro_batch_overhead` for each slice beyond the first (what precision
+does to speed depends on the GPU and is measured by `--measure`).
+
+The recommended configuration is the first that fits in this order: mixed
+precision before float32 (the order of `precisions`), then the least
+predicted step time (fewer slices first at equal time).
+
+Why a slice costs 5% of a step by default: on an H200 at batch 256 (224x224,
+bf16, `benchmarks/results/plan_h200/`), two 128-row slices without
+recomputation ran at 0.97-1.05x the whole batch's img/s (ResNet50,
+ConvNeXtTiny, EfficientNetV2S) and four 64-row slices at 0.82-0.92x
+(ResNet50, EfficientNetV2S), which a fixed cost per slice of about 5% of the
+whole step fits (predicted time 1.05 and 1.15); the least recomputation that
+fit 16 GiB ran at 0.92-0.94x (ResNet50, EfficientNetV2S; its FLOPs predicted
+2-7%). Two slices without recomputation were faster than the whole batch
+with recomputation in every such pair measured; this order prefers them where
+the recomputation is predicted above 5% of a step.
+Where slices are small enough to leave a GPU idle a slice costs more: give
+`micro_batch_overhead`, or measure with `--measure`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kvram import memory
+from kvram.remat import _check as checking
+from kvram.remat import _plan
+from kvram.remat import _profile as profiling
+from kvram.remat._checker import Checker, CheckStore, _batch, _size
+from kvram.remat._segments import _functional, segments
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text) -> int:
+    """'48GB' -> 48e9, '16GiB' -> 16 * 2**30, '1024' -> 1024 bytes."""
+    raw = str(text).strip().upper().replace(" ", "")
+    number = raw.rstrip("KMGTIB")
+    unit = raw[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value > 0:
+        raise ValueError(
+            f"A memory size must be a positive number with an optional unit (B, KB, MB, GB, TB, "
+            f"KiB, MiB, GiB, TiB), like 48GB or 16GiB. Received: {text!r}"
+        )
+    return int(value * _UNITS[unit])
+
+
+@dataclasses.dataclass
+class Configuration:
+    """One row of the estimate (bytes are totals on the device)."""
+
+    precision: str
+    micro_batch_size: int | None
+    remat: str  # "none", "fit" (least recomputation within the memory), "least"
+    predicted_peak_bytes: int
+    relative_step_time: float
+    fits: bool
+    plan: _plan.Plan | None = dataclasses.field(default=None, repr=False)
+    # "executor": predicted from the graph executor's measurement; "xla" /
+    # "graph": checked by steps run as training will (XLA-compiled / on the
+    # graph executor), at the configuration's own rows or at the probe batches
+    # extrapolated (`estimate`'s check_at); "oom": that check ran out of the
+    # device's memory (the peak is then a lower bound, and it does not fit).
+    predicted_by: str = "executor"
+    executor_peak_bytes: int | None = None
+
+
+@dataclasses.dataclass
+class Estimate:
+    """What `estimate` found: every configuration, and the recommended one."""
+
+    memory_bytes: int
+    margin: float
+    batch_size: int
+    configurations: list
+    recommended: Configuration | None
+    measured: dict | None = None
+    # How the configurations were checked ("batch" or "probes", see estimate's
+    # check_at), and what was done when (seconds since the start, message).
+    check_at: str = "probes"
+    log: list = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        rows = [
+            {k: v for k, v in dataclasses.asdict(c).items() if k != "plan"}
+            | {"runs": [list(r) for r in c.plan.runs] if c.plan else [],
+               "recommended": c is self.recommended}
+            for c in self.configurations
+        ]
+        # Runs are segment indices: the last layer of each segment, per
+        # precision, lets a reader of the JSON check it cuts the model the same.
+        segments = {c.precision: [s.layers[-1] for s in c.plan.segments]
+                    for c in self.configurations if c.plan is not None}
+        return {"memory_bytes": self.memory_bytes, "margin": self.margin,
+                "batch_size": self.batch_size, "check_at": self.check_at, "configurations": rows,
+                "segments": segments, "measured": self.measured, "log": list(self.log)}
+
+    def __str__(self) -> str:
+        rows = [
+            f"batch {self.batch_size}; device memory {_size(self.memory_bytes)}, planned within "
+            f"{_size((1 - self.margin) * self.memory_bytes)} (margin {self.margin:.0%})",
+            f"{'precision':<16} {'micro-batch':>11} {'remat':>6} {'peak':>10} {'from':>8} {'rel. time':>9}  fits",
+        ]
+        for c in self.configurations:
+            mark = "  <- recommended" if c is self.recommended else ""
+            rows.append(
+                f"{c.precision:<16} {c.micro_batch_size or '-':>11} {c.remat:>6} "
+                f"{_size(c.predicted_peak_bytes):>10} {c.predicted_by:>8} {c.relative_step_time:>9.3f}  "
+                f"{'yes' if c.fits else 'no'}{mark}"
+            )
+        if any(c.predicted_by != "executor" for c in self.configurations):
+            where = ("at its own rows" if self.check_at == "batch"
+                     else "at the probe batches, extrapolated")
+            rows.append(f"from: xla / graph = checked by steps run as training will (XLA-compiled / on the "
+                        f"graph executor) {where}; oom = that step ran out of the device's memory "
+                        "(the peak shown is a lower bound); executor = predicted from the cut-by-cut "
+                        "measurement (over-predicts XLA's)")
+        if self.recommended is None:
+            rows.append("nothing fits: use a smaller batch (or more micro-batches)")
+        if self.measured:
+            rows.append(self.measured_line())
+        return "\n".join(rows)
+
+    def measured_line(self) -> str:
+        """What `measure` found for the recommendation (`measured`), in a line."""
+        m, plain = self.measured, self.measured["plain"]
+        return (f"measured, {m['steps']} steps on {m['device']}: recommended {_run(m)}, predicted "
+                f"peak {_size(self.recommended.predicted_peak_bytes)}; plain Keras {_run(plain)}")
+
+
+def _run(result) -> str:
+    if result.get("error"):
+        return result["error"]
+    return f"peak {_size(result['peak_bytes'])}, {result['samples_per_second']:.1f} samples/s"
+
+
+def _scaled(low, high, rows_low, rows_high, rows):
+    """Each field of two `_Profile`s extrapolated linearly to `rows`."""
+    t = (rows - rows_low) / (rows_high - rows_low)
+
+    def line(a, b):
+        if a is None or b is None:
+            return None
+        return int(round(a + (b - a) * t))
+
+    fields = {}
+    for field in dataclasses.fields(low):
+        a, b = getattr(low, field.name), getattr(high, field.name)
+        fields[field.name] = tuple(line(u, v) for u, v in zip(a, b)) if isinstance(a, tuple) else line(a, b)
+    return dataclasses.replace(low, **fields)
+
+
+def _nbytes(variables) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
+def estimate(
+    build,
+    batch_size: int,
+    *,
+    memory_bytes: int | None = None,
+    optimizer="adam",
+    loss=None,
+    precisions=("mixed_bfloat16", "mixed_float16", "float32"),
+    micro_batch_sizes=None,
+    margin: float = 0.10,
+    micro_batch_overhead: float = 0.05,
+    probe_rows=None,
+    jit_compile="auto",
+    check_at="auto",
+    checks_file=None,
+    verbose: bool = False,
+):
+    """Predicted memory of every configuration (precision x checkpointing x
+    micro-batch size) of a model, and the recommended one.
+
+    Args:
+        build: a function of no arguments returning the functional model; it is
+            called once per precision with that global dtype policy set.
+        batch_size: rows of the batch to train.
+        memory_bytes: device memory to fit (default: the present GPU's total,
+            else required).
+        optimizer: the optimizer (name or instance) whose state is counted.
+        loss: training loss (see `kvram.remat.plan`).
+        precisions: dtype policies to try, in order of preference.
+        micro_batch_sizes: slice sizes to try besides whole batches (default:
+            the batch halved and quartered).
+        margin: fraction of `memory_bytes` kept free.
+        micro_batch_overhead: predicted step time added by each slice beyond
+            the first, as a fraction of a whole-batch step (see the module's
+            docstring for where 0.05 comes from).
+        probe_rows: the two batch sizes measured (default: batch/8 and batch/4,
+            at least 1 and 2).
+        jit_compile: whether training will run under XLA (see
+            `kvram.remat.plan`). Configurations are checked by steps run as
+            training will (XLA-compiled or not) at the probe batches, in the
+            order of preference until one fits; their peaks are those checks
+            extrapolated, the others' the cut-by-cut prediction
+            (`predicted_by` says which).
+        check_at: where configurations are checked. "batch": at their own
+            rows (the batch or the micro-batch): exact, one compiled step
+            each, and a step that runs out of the device's memory does not
+            fit (right when the device holds `memory_bytes`). "probes": at the
+            two probe batches and at twice the larger one's rows (at most
+            the configuration's own), extrapolated in rows, the higher of the
+            two lines (three compiled steps each; for a target larger than
+            the present device). "auto": "batch" on
+            a GPU whose memory (its logical limit, else its total) is at least
+            `memory_bytes`, else "probes".
+        checks_file: a JSON file keeping every check's result as it is made,
+            read first when it exists: an estimate started again after its
+            process died (TensorFlow's GPU allocator can abort the process
+            after a step that ran out of memory) reuses the checks already
+            made. A check is reused only for the same model (name, input
+            shape, segments), loss, precision, rows, XLA or not, runs,
+            device and its memory limit, and TensorFlow, Keras and kvram
+            versions.
+        verbose: print each stage as it ends, with the seconds since the start,
+            on standard error (kept in `Estimate.log` either way).
+
+    Returns:
+        An `Estimate`.
+    """
+    if memory_bytes is None:
+        memory_bytes = _device_total()
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1). Received: {margin!r}")
+    if batch_size < 2:
+        raise ValueError(f"batch_size must be >= 2. Received: {batch_size!r}")
+    if not 0 <= micro_batch_overhead < 1:
+        raise ValueError(f"micro_batch_overhead must be in [0, 1). Received: {micro_batch_overhead!r}")
+    if micro_batch_sizes is None:
+        micro_batch_sizes = sorted({m for m in (batch_size // 2, batch_size // 4) if 1 <= m < batch_size}, reverse=True)
+    low_rows, high_rows = probe_rows or (max(1, batch_size // 8), max(2, batch_size // 4))
+    if not 1 <= low_rows < high_rows:
+        raise ValueError(f"probe_rows must be two increasing sizes >= 1. Received: {probe_rows!r}")
+    exact = _checks_exact(check_at, memory_bytes)
+    log = _Log(verbose)
+    store = CheckStore(checks_file, log)
+    limit = int(memory_bytes * (1 - margin))
+    previous = keras.config.dtype_policy().name
+    configurations, done, checkers = [], set(), {}
+    try:
+        for precision in precisions:
+            keras.config.set_dtype_policy(precision)
+            model = _functional(build())  # nested models inlined
+            precision = _policy(model)  # a loaded .keras model keeps its own
+            if precision in done:
+                continue
+            done.add(precision)
+            chain = segments(model)
+            log(f"{precision}: built {model.name!r}, {len(chain)} segments")
+            shape = tuple(model.inputs[0].shape[1:])
+            batches = {rows: _batch(model, shape, rows) for rows in (low_rows, high_rows)}
+            profiles = _probe_profiles(model, chain, batches, loss)
+            log(f"{precision}: measured cut by cut at {low_rows} and {high_rows} rows")
+            jit = checking._uses_xla(model, jit_compile, memory._device_name(None))
+            checkers[precision] = Checker(
+                model, chain, batches, loss, jit, exact,
+                lambda message, p=precision: log(f"{p}: {message}"),
+                store, (precision, model.name, shape, [s.layers[-1] for s in chain], loss),
+            )
+            weights = _nbytes(model.variables)
+            state = _plan._optimizer_bytes(model, optimizer)
+            sample = int(np.prod(shape)) * 4 + 8  # float32 input and an int64 label per row
+            for micro in [None] + list(micro_batch_sizes):
+                rows = micro or batch_size
+                profile = _scaled(*profiles, low_rows, high_rows, rows)
+                # Micro-batches accumulate gradients in float32 beside the slice's own.
+                accumulators = _nbytes(model.trainable_variables) if micro else 0
+                resident = weights + state + sample * batch_size + accumulators
+                base = _plan._plan_for(model, chain, profile, resident, None, rows)
+                # A "fit" row wherever the plain step is predicted over the
+                # limit, also where the least-memory one is: the checks search
+                # for a choice within it (the executor's prediction
+                # over-predicts XLA's), from the least-memory choice when
+                # nothing is predicted to fit.
+                names = ["none"] + (["fit"] if base.plain_peak_bytes > limit else []) + ["least"]
+                for name in names:
+                    if name == "none":
+                        chosen = None
+                    elif name == "fit" and limit >= base.minimum_peak_bytes:
+                        chosen = base.with_budget(limit)
+                    else:
+                        chosen = base
+                    peak = base.plain_peak_bytes if chosen is None else chosen.predicted_peak_bytes
+                    extra = 0.0 if chosen is None else chosen.recompute_fraction
+                    slices = _slices(batch_size, micro)
+                    configurations.append(Configuration(
+                        precision, micro, name, peak, 1.0 + extra + micro_batch_overhead * (slices - 1),
+                        peak <= limit, chosen,
+                        predicted_by="executor", executor_peak_bytes=peak,
+                    ))
+                    configurations[-1]._planning = (model, chain, profile, resident, rows)
+        order = {}
+        for c in configurations:
+            order.setdefault(c.precision, len(order))
+        preference = sorted(configurations, key=lambda c: (
+            order[c.precision], c.relative_step_time, _slices(batch_size, c.micro_batch_size)))
+        recommended = None
+        for c in preference:
+            checker = checkers.get(c.precision)
+            if checker is not None:
+                keras.config.set_dtype_policy(c.precision)
+                if c.remat == "fit" and not _checked_fit(c, checker, limit):
+                    continue
+                if c.remat == "least":
+                    _checked_least(c, checker, limit)
+                elif c.remat == "none":
+                    _check(c, checker, limit)
+            if c.fits:
+                recommended = c
+                break
+    finally:
+        keras.config.set_dtype_policy(previous)
+    for c in configurations:
+        c.__dict__.pop("_planning", None)
+    log("done" + (f": recommended {recommended.precision}, micro-batch "
+                  f"{recommended.micro_batch_size or '-'}, remat {recommended.remat}" if recommended else
+                  ": nothing fits"))
+    return Estimate(memory_bytes, margin, batch_size, configurations, recommended,
+                    check_at="batch" if exact else "probes", log=log.lines)
+
+
+def _slices(batch_size, micro_batch_size) -> int:
+    """Slices a step of `batch_size` rows runs in (the last may be short)."""
+    return 1 if micro_batch_size is None else -(-batch_size // micro_batch_size)
+
+
+def _checks_exact(check_at, memory_bytes) -> bool:
+    """Whether configurations are checked at their own rows (`estimate`'s check_at)."""
+    if check_at not in ("auto", "batch", "probes"):
+        raise ValueError(f'check_at must be "auto", "batch" or "probes". Received: check_at={check_at!r}')
+    if check_at != "auto":
+        return check_at == "batch"
+    device = memory._device_name(None)
+    held = memory.limit_bytes(device) if device.startswith("GPU") else None
+    return held is not None and held >= memory_bytes
+
+
+class _Log:
+    """Stages of a long estimate, each with the seconds since the start."""
+
+    def __init__(self, verbose):
+        self.start, self.verbose, self.lines = time.perf_counter(), verbose, []
+
+    def __call__(self, message):
+        self.lines.append((round(time.perf_counter() - self.start, 1), message))
+        if self.verbose:
+            print(f"[{self.lines[-1][0]:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _check(c, checker, limit):
+    """Replaces c's peak by the checked one of its runs."""
+    model, chain, profile, resident, rows = c._planning
+    runs = c.plan.runs if c.plan is not None else ()
+    peak = checker.at(rows)(runs)
+    c.predicted_peak_bytes = resident + peak
+    c.predicted_by = "oom" if isinstance(peak, checking._OutOfMemory) else checker.name
+    c.fits = c.predicted_by != "oom" and c.predicted_peak_bytes <= limit
+
+
+def _checked_fit(c, checker, limit) -> bool:
+    """Re-plans a "fit" row with checks; False when no choice fits (the
+    least-memory choice, checked, does not either)."""
+    model, chain, profile, resident, rows = c._planning
+    try:
+        chosen = _plan._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
+    except ValueError:  # the least peak, checked, is above the limit too (or out of memory)
+        # The cut-by-cut profile, from which the choices come, varies from run
+        # to run on the graph executor; XLA's peaks need not follow it (on the
+        # CPU it picked, one run in five, only choices XLA kept as high as
+        # without recomputation): the choices of a second profile are checked.
+        checker.log(f"fit at {rows} rows: no choice checked within the limit; profiled again")
+        profile = _scaled(*_probe_profiles(model, chain, checker.batches, checker.loss), *sorted(checker.batches), rows)
+        try:
+            chosen = _plan._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
+        except ValueError:
+            _check(c, checker, limit)  # the row shows its own choice's checked peak
+            return False
+    checker.least_runs[rows] = chosen.least_runs
+    _replace_plan(c, chosen, checker, limit)
+    return c.fits
+
+
+def _checked_least(c, checker, limit):
+    """Re-plans a "least" row with checks: the least-memory candidates (and
+    those a "fit" row's search checked) are checked, the lowest taken."""
+    model, chain, profile, resident, rows = c._planning
+    try:
+        chosen = _plan._plan_for(model, chain, profile, resident, None, rows, checker.at(rows),
+                                 checker.least_runs.get(rows))
+    except ValueError:  # the least-memory choice ran out of the device's memory
+        _check(c, checker, limit)
+        return
+    _replace_plan(c, chosen, checker, limit)
+
+
+def _replace_plan(c, chosen, checker, limit):
+    # the new choice's recomputation in place of the old one's (the slices' cost stays)
+    c.relative_step_time += chosen.recompute_fraction - c.plan.recompute_fraction
+    c.plan, c.predicted_peak_bytes = chosen, chosen.predicted_peak_bytes
+    c.predicted_by, c.fits = checker.name, chosen.predicted_peak_bytes <= limit
+
+
+def _policy(model) -> str:
+    """The dtype policy most of `model`'s layers compute in."""
+    names = [layer.dtype_policy.name for layer in model._flatten_layers(include_self=False)]
+    return max(set(names), key=names.count) if names else keras.config.dtype_policy().name
+
+
+def _probe_profiles(model, chain, batches, loss):
+    """The cut-by-cut profiles at the probe batches ({rows: (x, y)}), fewest rows first."""
+    return [_measure(model, chain, *batches[rows], loss) for rows in sorted(batches)]
+
+
+def _measure(model, chain, x, y, loss):
+    return profiling._profile(
+        model, chain, x, y, checking._loss_function(model, loss), memory._device_name(None)
+    )
+
+
+def _device_total() -> int:
+    if not tf.config.list_logical_devices("GPU"):
+        raise ValueError("No GPU is visible: give the memory to plan for (memory_bytes, --gpu-memory 48GB).")
+    monitor = memory.MemoryMonitor("GPU:0")
+    total = monitor.snapshot().get("nvml_total_bytes")
+    if total is None:
+        raise ValueError(f"Could not read the GPU's memory ({monitor.nvml_note}): give --gpu-memory.")
+    return int(total)

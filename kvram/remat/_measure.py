@@ -1,0 +1,79 @@
+"""`measure`: a configuration of an estimate trained for a few steps on the
+present device, beside plain Keras: peak memory and samples/s."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kvram import memory
+from kvram.remat._segments import _groups, rebuild, segments
+
+
+def _fresh(optimizer):
+    """A new optimizer like `optimizer` (a name or an instance), unbuilt."""
+    if isinstance(optimizer, str):
+        return keras.optimizers.get(optimizer)
+    return optimizer.__class__.from_config(optimizer.get_config())
+
+
+def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, steps=5, plain=True, kvram=True):
+    """Trains `configuration` (and, with `plain`, the unmodified Keras model)
+    for `steps` batches of random data on the present device, after one
+    batch that builds and compiles: peak bytes (on the device, beyond what
+    was allocated before the model was built: its variables, optimizer state,
+    batch and steps) and samples/s of each (`kvram=False`: plain Keras only,
+    in the configuration's precision, under "plain")."""
+    device = memory._device_name(None)
+    previous = keras.config.dtype_policy().name
+    keras.config.set_dtype_policy(configuration.precision)
+    try:
+        results = {"device": device, "steps": steps}
+        for kind in ("kvram",) * kvram + ("plain",) * plain:
+            gc.collect()
+            baseline = memory.current_bytes(device)  # what was there before: not this run's
+            model = build()
+            shape = tuple(model.inputs[0].shape[1:])
+            classes = int(model.outputs[0].shape[-1] or 1)
+            rng = np.random.default_rng(0)
+            # One batch on the device, repeated: the data's own size stays one batch.
+            batch = (
+                tf.constant(rng.random((batch_size, *shape)).astype("float32")),
+                tf.constant(rng.integers(0, classes, batch_size)),
+            )
+            loss_name = loss or "sparse_categorical_crossentropy"
+            if kind == "kvram":
+                chosen = configuration.plan
+                chain = segments(model)
+                groups, flags = _groups(chosen.runs if chosen is not None else (), len(chain))
+                trained = rebuild(model, groups, flags)
+                trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
+                trained.micro_batch_size = configuration.micro_batch_size
+            else:
+                trained = model
+                trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
+            try:
+                trained.fit(tf.data.Dataset.from_tensors(batch), verbose=0)  # builds, compiles
+                memory.reset_peak(device)
+                start = time.perf_counter()
+                trained.fit(tf.data.Dataset.from_tensors(batch).repeat(steps), verbose=0)
+                seconds = time.perf_counter() - start
+                entry = {
+                    "peak_bytes": memory.peak_bytes(device) - baseline,
+                    "samples_per_second": steps * batch_size / seconds,
+                }
+            except tf.errors.ResourceExhaustedError:
+                entry = {"peak_bytes": None, "samples_per_second": None, "error": "out of memory"}
+            if kind == "kvram":
+                results.update(entry)
+            else:
+                results["plain"] = entry
+            del model, trained
+            gc.collect()
+        return results
+    finally:
+        keras.config.set_dtype_policy(previous)

@@ -1,0 +1,97 @@
+"""The package's layout (ARCHITECTURE.md): its import drawing has no circle and
+no import that runs back up, and no module is over 600 lines."""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kvram")
+
+# From the bottom up: a module may import its own room and the rooms below it.
+ROOMS = [
+    ("kvram._version", "kvram._checks", "kvram.memory", "kvram.precision"),
+    ("kvram.layers", "kvram.data"),
+    ("kvram.speed",),
+    ("kvram.training",),
+    ("kvram.callbacks", "kvram.parallel"),
+    ("kvram.remat",),
+    ("kvram.cli",),
+    ("kvram", "kvram.__main__", "kvram.plan"),
+]
+
+
+def _modules() -> dict:
+    found = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path[:-3], os.path.dirname(ROOT)).replace(os.sep, ".")
+                found[module.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(modules: dict) -> dict:
+    """{module: the kvram modules it imports, anywhere in it}; `from a import b`
+    counts as importing a.b where that is a module."""
+    edges = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in modules else node.module)
+        edges[module] = {t for t in targets if t in modules and t != module}
+    return edges
+
+
+def _room(module: str) -> tuple:
+    """(floor, room) of a module: its subpackage's place in ROOMS."""
+    best = None
+    for floor, rooms in enumerate(ROOMS):
+        for room in rooms:
+            if (module == room or module.startswith(room + ".")) and (best is None or len(room) > len(best[1])):
+                best = (floor, room)
+    assert best is not None, f"{module} is in no room of ROOMS"
+    return best
+
+
+def test_no_import_runs_back_up():
+    modules = _modules()
+    upward = []
+    for module, targets in _imports(modules).items():
+        floor, room = _room(module)
+        for target in targets:
+            other_floor, other_room = _room(target)
+            if other_floor > floor or (other_floor == floor and other_room != room):
+                upward.append(f"{module} -> {target}")
+    assert not upward, upward
+
+
+def test_no_import_circle():
+    edges = _imports(_modules())
+    state, circles = {}, []
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(edges[module]):
+            if state.get(target) == "open":
+                circles.append(path[path.index(target):] + [target] if target in path else [module, target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, circles
+
+
+@pytest.mark.parametrize("module, path", sorted(_modules().items()))
+def test_no_module_over_600_lines(module, path):
+    with open(path) as handle:
+        assert sum(1 for _ in handle) <= 600, module
