@@ -258,7 +258,7 @@ def test_a_checks_file_keeps_each_check_and_the_next_estimate_reuses_them(tmp_pa
     def no_step(*args):
         raise AssertionError("a kept check was run again")
 
-    monkeypatch.setattr(remat, "_step_peak_or_raise", no_step)
+    monkeypatch.setattr(remat._check, "_step_peak_or_raise", no_step)
     second = remat.estimate(small_model, 16, **kwargs)
     assert [c.predicted_peak_bytes for c in second.configurations if c.predicted_by == "graph"] == [
         c.predicted_peak_bytes for c in first.configurations if c.predicted_by == "graph"]
@@ -370,7 +370,7 @@ def test_a_check_out_of_memory_does_not_fit_and_the_plan_goes_on(monkeypatch):
             raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating (simulated)")
         return real(model, *args)
 
-    monkeypatch.setattr(remat, "_step_peak_or_raise", plain_runs_out)
+    monkeypatch.setattr(remat._check, "_step_peak_or_raise", plain_runs_out)
     batch = 64
     x = np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32")
     direct = remat.plan(small_model(), (x, np.arange(batch) % 10), budget_bytes=None, optimizer="adam")
@@ -395,7 +395,7 @@ def _checked_steps_peak(monkeypatch, plain_bytes, recomputing_bytes):
     def peak(model, *args):
         return recomputing_bytes if any(isinstance(layer, Checkpoint) for layer in model.layers) else plain_bytes
 
-    monkeypatch.setattr(remat, "_step_peak_or_raise", peak)
+    monkeypatch.setattr(remat._check, "_step_peak_or_raise", peak)
 
 
 def test_fit_is_searched_by_checks_where_the_executor_predicts_nothing_fits(monkeypatch):
@@ -434,7 +434,7 @@ def test_least_out_of_memory_says_nothing_fits(monkeypatch):
     def out_of_memory(*args):
         raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating (simulated)")
 
-    monkeypatch.setattr(remat, "_step_peak_or_raise", out_of_memory)
+    monkeypatch.setattr(remat._check, "_step_peak_or_raise", out_of_memory)
     x = np.random.default_rng(0).random((16, 32, 32, 3)).astype("float32")
     with pytest.raises(ValueError, match="least-memory choice .* ran out of the device's memory .* nothing fits"):
         remat.plan(small_model(), (x, np.arange(16) % 10))
