@@ -1,3 +1,4 @@
+import gc
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -14,6 +15,14 @@ import tensorflow as tf  # noqa: E402
 # Ampere and newer GPUs) rounds matrix products to ~1e-3 and would hide that.
 tf.config.experimental.enable_tensor_float_32_execution(False)
 
+# TensorFlow's and Keras's own objects (360k after import) are never garbage: out
+# of the collector's sight (gc.freeze), clear_session()'s collection before each
+# test scans only what tests made (0.17 s a test less; see _fresh_keras).
+import kvram  # noqa: E402, F401
+
+gc.collect()
+gc.freeze()
+
 # Two logical CPUs, for placement and tf.distribute tests ("CPU:0" stays the default).
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
@@ -25,7 +34,10 @@ tf.config.set_logical_device_configuration(
 def _fresh_keras():
     """Every test starts with float32, a clear session and fixed seeds."""
     keras.config.set_dtype_policy("float32")
-    keras.backend.clear_session()
+    keras.backend.clear_session()  # collects the garbage of the tests before
+    # What survived is held for good (TF's function and kernel caches): out of
+    # the collector's sight, so the next collection scans only this test's objects.
+    gc.freeze()
     keras.utils.set_random_seed(1234)
     yield
     keras.config.set_dtype_policy("float32")

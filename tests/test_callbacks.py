@@ -111,6 +111,7 @@ def seen(net):
     return net.get_layer("count").seen.numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
 def test_fit_survives_injected_ooms_and_equals_an_uninterrupted_run(accumulation_steps):
     epochs, steps = 3, N // 16
@@ -143,6 +144,7 @@ def test_fit_survives_injected_ooms_and_equals_an_uninterrupted_run(accumulation
     assert [e.new for e in controller.events] == [16, 8, 4, 2, 1, 1, 1]
 
 
+@pytest.mark.slow
 def test_a_hundred_ooms_in_one_fit():
     epochs = 9
     plain = network(metrics=False)
@@ -357,6 +359,7 @@ def test_hysteresis_no_change_for_less_than_ten_percent(monkeypatch):
         assert net.micro_batch_size == expected
 
 
+@pytest.mark.slow
 def test_headroom_with_real_cpu_allocator_stats():
     keras.utils.set_random_seed(0)
     with tf.device("CPU:0"):  # the model, its variables and its steps (also on a GPU machine)
@@ -413,6 +416,7 @@ def test_one_controller_per_fit():
 # find_max_batch_size ------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", [1, 2, 37, 100, 500, 700, 1023, 5000])
 @pytest.mark.parametrize("high", [1024, None])
 def test_find_max_batch_size_on_a_synthetic_cap(cap, high):

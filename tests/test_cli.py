@@ -20,6 +20,7 @@ def test_info_text(capsys):
     assert "tensorflow" in out and "devices" in out
 
 
+@pytest.mark.slow
 def test_demo_small_runs_and_prints_table(capsys, tmp_path):
     path = tmp_path / "demo.json"
     code = cli.main(["demo", "--device", "CPU:0", "--epochs", "1", "--samples", "1024",

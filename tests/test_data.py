@@ -640,6 +640,7 @@ def test_under_mirrored_strategy(tmp_path, mirrored):
     assert int(model.optimizer.iterations.numpy()) == 4
 
 
+@pytest.mark.slow
 def test_reading_much_more_than_memory_keeps_anonymous_memory_flat(tmp_path):
     """256 MiB of shards read end to end, every byte touched, in a fresh process:
     its RssAnon (heap, TF tensors) must grow by less than a quarter of that."""

@@ -126,6 +126,7 @@ def launch_workers(tmp_path, script, kwargs, **options):
     return out.getvalue()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs", [{"micro_batch_size": 3, "clip_global_norm": 0.5}, {}], ids=["micro_batches_clipped", "plain"]
 )
@@ -178,6 +179,7 @@ np.savez(os.path.join(sys.argv[1], f"w{index}.npz"), *[v.numpy() for v in model.
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{"micro_batch_size": 3}], ids=["micro_batches"])
 def test_multi_worker_killed_worker_resumes_to_the_same_weights(tmp_path, kwargs):
     """kvram launch restarts both workers after one is SIGKILLed in the third of
@@ -213,6 +215,7 @@ def test_static_shapes_reads_distributed_batches(mirrored):
     assert _static_shapes((per_replica, None, tf.zeros((4,))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "micro_batch_size, loss_scale, keras_step",
     [(None, False, True), (4, False, False), (None, True, True), (None, False, False)],

@@ -102,6 +102,7 @@ def image(tmp_path_factory):
     return {"workdir": workdir, "venv": venv, "env": env, "home": str(base / "home")}
 
 
+@pytest.mark.slow
 def test_pip_install_then_cmd(image):
     """The image's install line, without the [gpu] extra's NVIDIA wheels (with
     the [images] extra's Pillow), in a fresh venv on exactly the copied files;
@@ -135,6 +136,7 @@ def pypi_reachable() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not pypi_reachable(), reason="PyPI cannot be reached")
 def test_the_gpu_install_line_resolves(image):
     """The full line, `[gpu]` extra included, resolves against PyPI with the

@@ -6,6 +6,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+pytestmark = pytest.mark.slow  # every test here: see ARCHITECTURE.md, tests
+
+
 def load(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)

@@ -145,6 +145,7 @@ def test_bad_inputs_are_clear(tmp_path):
         data.write_image_shards(tmp_path / "junk", tmp_path / "out", size=0, verbose=0)
 
 
+@pytest.mark.slow
 def test_a_killed_writer_leaves_no_final_directory(tmp_path):
     source = tmp_path / "src"
     (source / "a").mkdir(parents=True)

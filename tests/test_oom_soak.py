@@ -8,6 +8,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import kvram
@@ -17,6 +18,9 @@ from tests.helpers import gradients_failing_every
 
 N, BATCH = 96, 16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+pytestmark = pytest.mark.slow  # every test here: see ARCHITECTURE.md, tests
 
 
 def network():

@@ -39,6 +39,7 @@ def _direct(batch):
     return direct, (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
 
 
+@pytest.mark.slow
 def test_estimate_extrapolates_and_recommends_what_fits():
     batch = 64
     # the memory the full batch would need unmodified, measured directly
@@ -70,6 +71,7 @@ def test_estimate_extrapolates_and_recommends_what_fits():
     assert "<- recommended" in text and "float32" in text, text
 
 
+@pytest.mark.slow
 def test_a_dearer_slice_recommends_the_whole_batch_recomputing():
     batch = 64
     _, memory = _direct(batch)
@@ -86,6 +88,7 @@ def test_micro_batch_overhead_is_validated(overhead):
         remat.estimate(small_model, 16, memory_bytes=2**30, micro_batch_overhead=overhead)
 
 
+@pytest.mark.slow
 def test_estimate_measure_runs_the_recommendation_and_plain_keras():
     found = remat.estimate(small_model, 32, memory_bytes=10 * 2**30, precisions=("float32",))
     result = remat.measure(small_model, found.recommended, 32, steps=2)
@@ -96,12 +99,14 @@ def test_estimate_measure_runs_the_recommendation_and_plain_keras():
     assert abs(found.recommended.predicted_peak_bytes - result["peak_bytes"]) <= 0.15 * result["peak_bytes"]
 
 
+@pytest.mark.slow
 def test_estimate_with_nothing_that_fits():
     found = remat.estimate(small_model, 32, memory_bytes=10**5, precisions=("float32",))
     assert found.recommended is None and not any(c.fits for c in found.configurations)
     assert "nothing fits" in str(found)
 
 
+@pytest.mark.slow
 def test_cli_plan_keras_applications_model(tmp_path, capsys):
     out = tmp_path / "plan.json"
     code = cli.main([
@@ -120,6 +125,7 @@ def test_cli_plan_keras_applications_model(tmp_path, capsys):
     assert report["measured"]["plain"]["peak_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_cli_plan_module_function_and_keras_file(tmp_path, capsys):
     assert cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "16",
                      "--gpu-memory", "1GB", "--precision", "float32"]) == 0
@@ -160,6 +166,7 @@ def test_cli_plan_limit_gpu_says_when_there_is_no_gpu():
                   "--gpu-memory", "1GB", "--limit-gpu", "--isolate", "never"])
 
 
+@pytest.mark.slow
 def test_estimate_checks_under_xla_and_training_confirms_it(request):
     if in_own_process(request):  # fit()'s peak, measured in a process of its own
         return
@@ -194,6 +201,7 @@ def test_estimate_checks_under_xla_and_training_confirms_it(request):
     assert result["peak_bytes"] <= 1.10 * memory, (result, memory)
 
 
+@pytest.mark.slow
 def test_estimate_extrapolates_xla_checks_from_the_probes(request):
     # XLA-compiled steps at 8, 16 and 32 rows, extrapolated to 64: the plain
     # step's peak grows in proportion to the rows (8.0, 16.0, 32.0 MiB). In a
@@ -216,6 +224,7 @@ def test_estimate_extrapolates_xla_checks_from_the_probes(request):
         f"float32: checked (xla) at {rows} rows with 0 recomputed run(s)" for rows in (8, 16, 32)], checked
 
 
+@pytest.mark.slow
 def test_estimate_checks_each_configuration_at_its_own_rows():
     batch = 64
     x = np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32")
@@ -244,6 +253,7 @@ def test_estimate_checks_each_configuration_at_its_own_rows():
     assert report["segments"]["float32"] == [s.layers[-1] for s in remat.segments(small_model())]
 
 
+@pytest.mark.slow
 def test_a_checks_file_keeps_each_check_and_the_next_estimate_reuses_them(tmp_path, monkeypatch):
     path = tmp_path / "checks.json"
     kwargs = dict(memory_bytes=2**30, precisions=("float32",), micro_batch_sizes=[], margin=0.0,
@@ -296,6 +306,7 @@ def _plan_in_child(tmp_path, monkeypatch, abort_at, once):
     ])
 
 
+@pytest.mark.slow
 def test_cli_plan_starts_its_process_again_from_the_kept_checks_after_an_abort(tmp_path, monkeypatch, capfd):
     # the child aborts at its second check (the first is kept); the second
     # child reads it, makes the others and prints the estimate
@@ -312,6 +323,7 @@ def test_cli_plan_starts_its_process_again_from_the_kept_checks_after_an_abort(t
     assert len(json.loads((tmp_path / "checks.json").read_text())["checks"]) == 3
 
 
+@pytest.mark.slow
 def test_cli_plan_stops_when_its_process_aborts_before_a_new_check(tmp_path, monkeypatch, capfd):
     code = _plan_in_child(tmp_path, monkeypatch, abort_at=1, once=False)
     _, err = capfd.readouterr()
@@ -321,6 +333,7 @@ def test_cli_plan_stops_when_its_process_aborts_before_a_new_check(tmp_path, mon
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.slow
 def test_cli_plan_child_ends_before_the_interpreter_exit_that_aborts(tmp_path, monkeypatch, capfd):
     # an abort at exit (after the estimate is printed) does not happen: the
     # child ends with os._exit once its work is done
@@ -355,6 +368,7 @@ def test_estimate_check_at_is_validated():
         remat.estimate(small_model, 16, memory_bytes=2**30, check_at="all")
 
 
+@pytest.mark.slow
 def test_a_check_out_of_memory_does_not_fit_and_the_plan_goes_on(monkeypatch):
     # The unmodified step, checked at the batch, runs out of the device's
     # memory (as on a GPU smaller than it needs): its row is marked "oom", does
@@ -398,6 +412,7 @@ def _checked_steps_peak(monkeypatch, plain_bytes, recomputing_bytes):
     monkeypatch.setattr(remat._check, "_step_peak_or_raise", peak)
 
 
+@pytest.mark.slow
 def test_fit_is_searched_by_checks_where_the_executor_predicts_nothing_fits(monkeypatch):
     # The cut-by-cut prediction puts even the least-memory choice over the
     # limit; the checks find choices within it. The "fit" row is searched,
@@ -415,6 +430,7 @@ def test_fit_is_searched_by_checks_where_the_executor_predicts_nothing_fits(monk
     assert recommended.plan.recompute_fraction <= rows["least"].plan.recompute_fraction, found
 
 
+@pytest.mark.slow
 def test_a_fit_row_with_nothing_within_the_limit_shows_its_checked_peak(monkeypatch):
     # No choice checks within the limit: the "fit" and "least" rows show
     # checked peaks (over the limit), not the executor's prediction.
@@ -428,6 +444,7 @@ def test_a_fit_row_with_nothing_within_the_limit_shows_its_checked_peak(monkeypa
         assert c.predicted_by == "graph" and not c.fits and 0 < resident < 2**20, found
 
 
+@pytest.mark.slow
 def test_least_out_of_memory_says_nothing_fits(monkeypatch):
     import tensorflow as tf
 

@@ -43,6 +43,7 @@ def _sqrt_groups(count):
     return [list(range(i, min(i + size, count))) for i in range(0, count, size)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_checkpointed_rebuild_equals_the_model(family):
     keras.utils.set_random_seed(0)
@@ -158,6 +159,7 @@ def _step_peak(model, x, y, warm=False, repeat=1):
     return run_with_peak(step, warm=warm, repeat=repeat)[1]
 
 
+@pytest.mark.slow
 def test_checkpointing_every_square_root_group_lowers_the_peak():
     keras.utils.set_random_seed(0)
     model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
@@ -194,6 +196,7 @@ def _training_peak(model, x, y, resident):
     return resident + _step_peak(model, x, y, warm=True, repeat=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family",
     [pytest.param(f, marks=pytest.mark.own_process) for f in sorted(PLAN_FAMILIES)],
@@ -273,6 +276,7 @@ def test_plan_apply_is_the_same_model_on_the_same_variables():
     assert table.count("yes") == sum(b - a + 1 for a, b in chosen.runs), table
 
 
+@pytest.mark.slow
 def test_planned_model_saves_and_loads_as_keras_file(tmp_path):
     keras.utils.set_random_seed(0)
     model = _dropout_chain()
@@ -424,6 +428,7 @@ def test_when_every_least_candidate_checks_over_the_budget_the_spread_is_checked
         remat._plan._plan_for(model, chain, profile, 0, 50 * mib, 8, check)
 
 
+@pytest.mark.slow
 def test_plan_budget_below_the_least_says_the_least():
     model = _dropout_chain()
     x = np.zeros((32, 32, 32, 3), "float32")
@@ -486,6 +491,7 @@ def _xla_training_peak(model, x, y, resident):
     return resident + run_with_peak(step, warm=True)[1]
 
 
+@pytest.mark.slow
 def test_plan_checked_under_xla_fits_three_budgets():
     # Under XLA the step's buffers are fixed at compile time: the check's
     # measurement and this one agree, run after run.
@@ -522,6 +528,7 @@ def _finetune_model():
     return keras.Model(inputs, keras.layers.Dense(10, name="head")(x), name="finetune")
 
 
+@pytest.mark.slow
 def test_nested_models_are_cut_at_their_own_blocks():
     keras.utils.set_random_seed(0)
     model = _finetune_model()
@@ -551,6 +558,7 @@ def test_nested_models_are_cut_at_their_own_blocks():
     assert max_rel_diff(theirs[1:], ours[1:], per_tensor=False) < 1e-5
 
 
+@pytest.mark.slow
 def test_plan_under_mixed_precision():
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("mixed_bfloat16")

@@ -43,6 +43,7 @@ def _step(layer, x, training):
     return y, tape.gradient(loss, [x, *weights])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "policy,tol", [("float32", 1e-5), ("mixed_float16", 2e-2), ("mixed_bfloat16", 5e-2)]
 )
@@ -202,6 +203,7 @@ print("pinned", kvram.speed.host_memory_pinned(), config.gpu_options.force_gpu_c
 """
 
 
+@pytest.mark.slow
 def test_pin_host_memory_at_program_start_reaches_the_runtime(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", _PINNED_RUN], capture_output=True, text=True, timeout=300,
