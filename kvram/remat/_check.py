@@ -9,6 +9,7 @@ import gc
 
 import keras
 import tensorflow as tf
+from keras import tree
 
 from kvram import memory
 from kvram.remat._profile import _PROFILE_STEPS
@@ -16,6 +17,9 @@ from kvram.remat._segments import _groups, rebuild
 
 
 def _batch(sample_batch):
+    """(x, y) of a sample batch as tensors: x one array, or a dict or list of
+    them (a model with several inputs: a list inside the (x, y) tuple, as a
+    bare list is (x, y) itself); y None, one array, or a structure."""
     if isinstance(sample_batch, (tuple, list)):
         if not 1 <= len(sample_batch) <= 3:
             raise ValueError(
@@ -25,28 +29,48 @@ def _batch(sample_batch):
         x, y = sample_batch[0], (sample_batch[1] if len(sample_batch) > 1 else None)
     else:
         x, y = sample_batch, None
-    x = tf.convert_to_tensor(x)
-    if x.shape.rank is None or x.shape.rank < 1 or x.shape[0] == 0:
-        raise ValueError(f"sample_batch's x must have a batch dimension of >= 1 rows. Received shape {x.shape}.")
+    x = tree.map_structure(tf.convert_to_tensor, x)
+    first = tree.flatten(x)[0] if tree.flatten(x) else None
+    if first is None or first.shape.rank is None or first.shape.rank < 1 or first.shape[0] == 0:
+        raise ValueError(
+            "sample_batch's x must have a batch dimension of >= 1 rows. Received shape "
+            f"{None if first is None else first.shape}."
+        )
+    rows = first.shape[0]
+    ragged = {tuple(t.shape) for t in tree.flatten(x) if t.shape.rank < 1 or t.shape[0] != rows}
+    if ragged:
+        raise ValueError(
+            f"sample_batch's inputs must hold the same rows. Received: {rows} rows in the first, "
+            f"shapes {sorted(ragged)} in others."
+        )
     if y is None:
         return x, None
-    y = tf.convert_to_tensor(y)
-    if y.shape.rank is None or y.shape.rank < 1 or y.shape[0] != x.shape[0]:
+    y = tree.map_structure(tf.convert_to_tensor, y)
+    first_y = tree.flatten(y)[0]
+    if first_y.shape.rank is None or first_y.shape.rank < 1 or first_y.shape[0] != rows:
         raise ValueError(
             "sample_batch's x and y must hold the same rows, one target per sample. Received: x of "
-            f"shape {tuple(x.shape)} ({x.shape[0]} rows), y of shape {tuple(y.shape)}"
-            f"{f' ({y.shape[0]} rows)' if y.shape.rank else ''}."
+            f"shape {tuple(first.shape)} ({rows} rows), y of shape {tuple(first_y.shape)}"
+            f"{f' ({first_y.shape[0]} rows)' if first_y.shape.rank else ''}."
         )
     return x, y
 
 
+def _rows(x) -> int:
+    return int(tree.flatten(x)[0].shape[0])
+
+
 def _loss_function(model, loss):
+    """The planned step's loss of (y, the model's outputs): `loss` (default
+    the model's compiled one) of y and the first output, else a mean square
+    of every output."""
     if loss is None:
         loss = getattr(model, "loss", None)
     if loss is None:
-        return lambda y, out: 0.5 * tf.reduce_mean(tf.square(tf.cast(out, "float32")))
+        return lambda y, out: 0.5 * tf.add_n(
+            [tf.reduce_mean(tf.square(tf.cast(o, "float32"))) for o in tree.flatten(out)])
     loss = keras.losses.get(loss)
-    return lambda y, out: tf.reduce_mean(loss(y, tf.cast(out, "float32")))
+    return lambda y, out: tf.reduce_mean(loss(y, tf.cast(tree.flatten(out)[0], "float32")))
 
 
 def _uses_xla(model, jit_compile, device) -> bool:

@@ -37,9 +37,10 @@ import math
 
 import keras
 import numpy as np
+from keras import tree
 
 from kvram import memory
-from kvram.remat._check import _OutOfMemory, _batch, _loss_function, _step_check, _uses_xla
+from kvram.remat._check import _OutOfMemory, _batch, _loss_function, _rows, _step_check, _uses_xla
 from kvram.remat._choice import (
     _choose,
     _least_candidates,
@@ -198,7 +199,10 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
 
     Args:
         model: a functional Keras model (see `segments`).
-        sample_batch: x, or (x, y), at the batch size that will be trained.
+        sample_batch: x, or (x, y), at the batch size that will be trained;
+            x one array, or a list or dict of arrays for a model with several
+            inputs (a KerasHub backbone's `{"token_ids": ..., "padding_mask":
+            ...}`).
         budget_bytes: the most memory training may use on the device, counting
             the variables of the model and the optimizer, the batch and the
             step's peak. None: the least memory checkpointing can reach.
@@ -234,9 +238,9 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
     resident = (
         sum(_nbytes(v) for v in model.variables)
         + _optimizer_bytes(model, optimizer)
-        + sum(int(np.prod(t.shape)) * t.dtype.size for t in (x, y) if t is not None)
+        + sum(int(np.prod(t.shape)) * t.dtype.size for t in tree.flatten((x, y)) if t is not None)
     )
-    return _plan_for(model, chain, profile, resident, budget_bytes, int(x.shape[0]), check)
+    return _plan_for(model, chain, profile, resident, budget_bytes, _rows(x), check)
 
 
 _CHECK_TRIES = 3

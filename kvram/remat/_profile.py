@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import keras
 import numpy as np
 import tensorflow as tf
+from keras import tree
 
-from kvram.remat._segments import _ordered_nodes
+from kvram.remat._segments import _main_input, _ordered_nodes, _part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,9 @@ class _Profile:
     flops: tuple
 
 
-def _probe_step(parts, x, y, loss_fn, variables, device):
-    """The training step of `parts` chained, with allocator probes at each cut.
+def _probe_step(model, parts, x, y, loss_fn, variables, device):
+    """The training step of `parts` ((segment, its model) pairs) chained, with
+    allocator probes at each cut (on each segment's main output).
 
     Returns (a tf.function, the dict its probes write into). A probe is a
     `tf.py_function` ordered by control dependencies after the tensor it marks
@@ -51,6 +52,7 @@ def _probe_step(parts, x, y, loss_fn, variables, device):
     each probe's peak covers the stretch since the previous one.
     """
     records = {}
+    model_inputs, model_outputs, outputs_struct = model.inputs, model.outputs, model._outputs_struct
 
     def reader(key):
         def read():
@@ -77,10 +79,15 @@ def _probe_step(parts, x, y, loss_fn, variables, device):
     @tf.function
     def step():
         with tf.GradientTape() as tape:
-            h = x
-            for index, part in enumerate(parts):
-                h = probe(part(h, training=True), index)
-            loss = loss_fn(y, h)
+            tensors = {id(t): v for t, v in zip(model_inputs, tree.flatten(x))}
+            for index, (segment, part) in enumerate(parts):
+                if segment.side_inputs or segment.side_outputs:
+                    results = tree.flatten(part([tensors[id(t)] for t in segment.inputs], training=True))
+                    results = [probe(results[0], index), *results[1:]]
+                    tensors.update((id(t), r) for t, r in zip(segment.outputs, results))
+                else:
+                    tensors[id(segment.output)] = probe(part(tensors[id(segment.input)], training=True), index)
+            loss = loss_fn(y, tree.pack_sequence_as(outputs_struct, [tensors[id(t)] for t in model_outputs]))
         gradients = [g for g in tape.gradient(loss, variables) if g is not None]
         with tf.control_dependencies(gradients):
             done = tf.py_function(reader(("end",)), [], tf.int32)
@@ -91,8 +98,8 @@ def _probe_step(parts, x, y, loss_fn, variables, device):
 
 
 def _profile(model, chain, x, y, loss_fn, device):
-    parts = [keras.Model(s.input, s.output, name=f"{model.name}_segment{s.index}") for s in chain]
-    step, records = _probe_step(parts, x, y, loss_fn, model.trainable_variables, device)
+    parts = [(s, _part([s], f"{model.name}_segment{s.index}")) for s in chain]
+    step, records = _probe_step(model, parts, x, y, loss_fn, model.trainable_variables, device)
     step()  # the first run also allocates what the runtime keeps (kernel caches)
     # The executor's order of independent ops, and so each stretch's peak, varies
     # from step to step: the peaks are the highest of several steps, as the
@@ -104,8 +111,10 @@ def _profile(model, chain, x, y, loss_fn, device):
     need, transient = (tuple(max(values) for values in field) for field in (need, transient))
     recompute = tuple(None if None in values else max(values) for values in recompute)
     (head,) = (max(values) for values in heads)
-    batch = int(x.shape[0])
-    output = [batch * _elements(s.output) * np.dtype(s.output.dtype).itemsize for s in chain]
+    flat = [t for t in tree.flatten(x) if t is not None]
+    batch = int(flat[0].shape[0])
+    unknown = _unknown_size(model, flat)
+    output = [batch * _elements(s.output, unknown) * np.dtype(s.output.dtype).itemsize for s in chain]
     return _Profile(
         kept=kept,
         need=need,
@@ -113,8 +122,8 @@ def _profile(model, chain, x, y, loss_fn, device):
         transient=transient,
         head=head,
         output=tuple(output),
-        input=int(np.prod(x.shape)) * x.dtype.size,
-        flops=tuple(batch * _segment_flops(model, s) for s in chain),
+        input=_nbytes(_main_of(model, flat)),
+        flops=tuple(batch * _segment_flops(model, s, unknown) for s in chain),
     )
 
 
@@ -152,21 +161,44 @@ def _probe_run(step, records, device, n):
     )
 
 
-def _elements(tensor) -> int:
-    return int(math.prod(d for d in tensor.shape[1:]))
+def _nbytes(tensor) -> int:
+    return int(np.prod(tensor.shape)) * tensor.dtype.size
 
 
-def _segment_flops(model, segment) -> int:
+def _main_of(model, flat):
+    """The sample batch's tensor for the model's main input (`_segments._main_input`)."""
+    main = _main_input(model, _ordered_nodes(model))
+    return next(v for t, v in zip(model.inputs, flat) if t is main)
+
+
+def _unknown_size(model, flat) -> int:
+    """What a dimension the graph leaves open (None, past the batch's) stands for
+    in the sample batch: its first open input dimension's size (a sequence's
+    length), else 1."""
+    for t, v in zip(model.inputs, flat):
+        for d, size in zip(t.shape[1:], v.shape[1:]):
+            if d is None:
+                return int(size)
+    return 1
+
+
+def _elements(tensor, unknown: int = 1) -> int:
+    """Elements of one sample of `tensor`, open dimensions taken as `unknown`."""
+    return int(math.prod(unknown if d is None else d for d in tensor.shape[1:]))
+
+
+def _segment_flops(model, segment, unknown: int = 1) -> int:
     """Forward FLOPs of one sample through `segment`: 2 per multiply-add of the
     layers with kernels (convolutions, dense, depthwise: output elements times
-    the kernel's inputs per output), one per output element for the rest."""
+    the kernel's inputs per output), one per output element for the rest
+    (open dimensions taken as `unknown`)."""
     called = set(segment.layers)
     flops = 0
     for node in _ordered_nodes(model):
         layer = node.operation
         if layer.name not in called:
             continue
-        out = sum(_elements(t) for t in node.outputs)
+        out = sum(_elements(t, unknown) for t in node.outputs)
         channels = int(node.outputs[0].shape[-1] or 1)
         kernel = getattr(layer, "kernel", None)
         if kernel is not None and len(kernel.shape) >= 2:
