@@ -384,6 +384,9 @@ def test_least_memory_plan_is_the_candidate_checked_lowest():
     first, sqrt = candidates[0], remat._choice._sqrt_runs(len(chain))
     assert first == tuple(remat._choice._choose(profile, remat._choice._minimum(profile)))
     assert sqrt == ((0, 2), (3, 5), (6, 8)) and sqrt in candidates
+    # every segment that saves, alone: a transformer's per-block checkpointing
+    alone = remat._choice._each_alone(profile)
+    assert alone == tuple((i, i) for i in range(9)) and alone in candidates
     recomputed = {r: remat._choice._recomputed(profile, r) for r in candidates}
     assert recomputed[sqrt] == max(recomputed.values()) > recomputed[first]  # every segment
 
@@ -403,6 +406,9 @@ def test_least_memory_plan_is_the_candidate_checked_lowest():
     # within 2% of the lowest, the least recomputation wins
     peaks[sqrt] = int(59.5 * 2**20)
     assert plan_with(peaks).runs == first
+    # each segment alone checks lowest: it is the least-memory plan
+    peaks[alone] = 40 * 2**20
+    assert plan_with(peaks).runs == alone
 
 
 def test_a_budget_no_choice_reaches_falls_back_to_the_cheapest_fitting_candidate():

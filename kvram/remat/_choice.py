@@ -134,7 +134,8 @@ def _minimum(profile) -> int:
 
 # The least-memory candidates besides the programme's choice at its least
 # predicted peak: its choices at these multiples of that peak (fewer, longer
-# or shorter runs), and the square-root split.
+# or shorter runs), every segment that saves recomputed alone, and the
+# square-root split.
 _LEAST_SLACK = (1.05, 1.1)
 
 
@@ -150,11 +151,19 @@ def _sqrt_runs(n):
     return tuple((i, min(i + k, n) - 1) for i in range(0, n, k))
 
 
+def _each_alone(profile):
+    """Every segment whose recomputation saves bytes, each a run of its own:
+    the most a chain of blocks saves where each block's output is small
+    beside what it keeps (a transformer's blocks), whatever the measured
+    stretches' peaks say."""
+    return tuple((i, i) for i in range(len(profile.need)) if _saving(profile, i, i) > 0)
+
+
 def _least_candidates(profile, low, every=True):
     """Choices that may reach the least peak: the programme's at its least
     predicted peak `low` (`_minimum`), and (`every`) its choices at
-    `_LEAST_SLACK` times that and the square-root split (distinct, in that
-    order)."""
+    `_LEAST_SLACK` times that, every saving segment alone and the
+    square-root split (distinct, in that order)."""
     candidates = [tuple(_choose(profile, low))]
     if not every:
         return candidates
@@ -162,6 +171,9 @@ def _least_candidates(profile, low, every=True):
         runs = _choose(profile, int(low * slack))
         if runs is not None:
             candidates.append(tuple(runs))
+    alone = _each_alone(profile)
+    if alone:
+        candidates.append(alone)
     candidates.append(_sqrt_runs(len(profile.need)))
     return list(dict.fromkeys(candidates))
 
