@@ -84,6 +84,7 @@ def vit(
     chunk_size=512,
     dropout=0.0,
     name="vit",
+    policy="full",
 ) -> keras.Model:
     """A ViT as a `kvram.Model`.
 
@@ -92,6 +93,7 @@ def vit(
             (`keras.layers.MultiHeadAttention`).
         checkpoint: wrap every encoder block in `kvram.layers.Checkpoint`.
         chunk_size: keys per chunk for the efficient attention.
+        policy: the blocks' `Checkpoint` policy ("full" or "save_dots").
     """
     if image_size % patch:
         raise ValueError(f"image_size must be a multiple of patch. Received: {image_size}, {patch}")
@@ -105,7 +107,7 @@ def vit(
         block = encoder_block(
             tokens + 1, width, heads, mlp, attention, chunk_size, dropout, name=f"encoder_block{i}"
         )
-        x = (kvram.layers.Checkpoint(block) if checkpoint else block)(x)
+        x = (kvram.layers.Checkpoint(block, policy=policy) if checkpoint else block)(x)
     x = layers.LayerNormalization(epsilon=1e-6, name="final_ln")(x)
     x = ClassToken(name="class_token")(x)
     outputs = layers.Dense(classes, dtype="float32", name="head")(x)

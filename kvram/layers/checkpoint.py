@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import keras
 import tensorflow as tf
 from keras import tree
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "POLICIES"]
+
+# What a `Checkpoint` keeps from its forward pass for the backward pass.
+POLICIES = ("full", "save_dots")
 
 
 class _IntegerWatchFilter(logging.Filter):
@@ -54,13 +58,31 @@ class Checkpoint(keras.layers.Layer):
     `tf.function` and `jit_compile=True` (keras#21207). With `training=False` or
     unset (inference, `evaluate`, `predict`), the layer is simply called.
 
+    Policies (what is kept from the forward pass):
+
+    - "full" (default): only the inputs; the whole block runs again.
+    - "save_dots": also the products of the block's `Dense` and `EinsumDense`
+      layers (the matrix multiplications with weights: a transformer block's
+      query, key, value, output and MLP projections). The recomputation takes
+      them as they were instead of multiplying again, and recomputes only what
+      lies between them: normalisations, activations, attention scores and
+      softmax, dropout masks, casts, residual additions; the gradients are
+      unchanged (each product's gradient needs its inputs, recomputed, not its
+      output). The idea of JAX's `checkpoint_dots` policy and PyTorch's
+      selective activation checkpointing: the large elementwise activations
+      (a ViT block's GELU input and output, its attention probabilities) are
+      not kept, the expensive products are not recomputed. A product under
+      LoRA or quantization is recomputed as under "full".
+
     Args:
         layer: a `keras.layers.Layer` (a `keras.Sequential` or any model also
             works): the block to recompute.
+        policy: one of `POLICIES`, "full" by default.
         **kwargs: base `keras.layers.Layer` arguments (`name`, ...).
 
     Raises:
         TypeError: if `layer` is not a Keras layer.
+        ValueError: for a policy not in `POLICIES`.
 
     Example:
     ```python
@@ -69,7 +91,9 @@ class Checkpoint(keras.layers.Layer):
     ```
     """
 
-    def __init__(self, layer, **kwargs):
+    def __init__(self, layer, policy: str = "full", **kwargs):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}. Received: policy={policy!r}")
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(
                 "`layer` must be a keras.layers.Layer (a Keras layer, Sequential or "
@@ -83,6 +107,7 @@ class Checkpoint(keras.layers.Layer):
         kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(**kwargs)
         self.layer = layer
+        self.policy = policy
         # Inputs go to the wrapped layer untouched: it casts them itself.
         self._convert_input_args = False
         self.supports_masking = getattr(layer, "supports_masking", False)
@@ -105,6 +130,7 @@ class Checkpoint(keras.layers.Layer):
         snapshot = [tf.identity(v.value) for v in state]
         n_in = len(tensor_positions)
         carries_logits = []
+        dots = _Dots(self.layer) if self.policy == "save_dots" else None
 
         def forward(*tensors):
             # Restore the wrapped layer's non-trainable state (seed generators,
@@ -116,7 +142,8 @@ class Checkpoint(keras.layers.Layer):
             call_args = list(flat_args)
             for position, tensor in zip(tensor_positions, tensors[:n_in]):
                 call_args[position] = tensor
-            outputs = self.layer(*tree.pack_sequence_as(args, call_args), **kwargs)
+            with dots.replaying() if dots is not None else contextlib.nullcontext():
+                outputs = self.layer(*tree.pack_sequence_as(args, call_args), **kwargs)
             logits = getattr(outputs, "_keras_logits", None) if tf.is_tensor(outputs) else None
             if logits is None:
                 return outputs
@@ -151,6 +178,7 @@ class Checkpoint(keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         config["layer"] = keras.saving.serialize_keras_object(self.layer)
+        config["policy"] = self.policy
         return config
 
     @classmethod
@@ -160,3 +188,85 @@ class Checkpoint(keras.layers.Layer):
             config.pop("layer"), custom_objects=custom_objects
         )
         return cls(layer, **config)
+
+
+class _Dots:
+    """The "save_dots" policy for one call of a `Checkpoint`: its first pass
+    through the block (the forward pass) keeps each Dense/EinsumDense product;
+    its second (the recomputation) gives the kept product back in place of
+    the product, with the product's gradient (`_replay`)."""
+
+    def __init__(self, block):
+        self.layers = [
+            layer for layer in block._flatten_layers(include_self=True, recursive=True)
+            if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)
+            and not getattr(layer, "lora_enabled", False)
+            and getattr(layer, "quantization_mode", None) is None
+        ]
+        self.kept: dict = {id(layer): [] for layer in self.layers}
+        self.passes = 0
+
+    @contextlib.contextmanager
+    def replaying(self):
+        recomputing = self.passes > 0
+        self.passes += 1
+        position = {id(layer): 0 for layer in self.layers}
+        for layer in self.layers:
+            # An instance attribute, so Keras's Layer.__call__ calls it (set past
+            # Keras's attribute tracking, removed after), as PipelineModel does.
+            object.__setattr__(layer, "call", self._call(layer, recomputing, position))
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                object.__delattr__(layer, "call")
+
+    def _call(self, layer, recomputing, position):
+        kept = self.kept[id(layer)]
+        dense = isinstance(layer, keras.layers.Dense)
+
+        def product(x, kernel):
+            return keras.ops.matmul(x, kernel) if dense else keras.ops.einsum(layer.equation, x, kernel)
+
+        def call(inputs, training=None):
+            kernel = layer.kernel
+            # a variable's value, cast to the compute dtype under mixed precision
+            # (`Variable.value` autocasts in Layer.__call__, as Dense's matmul does)
+            kernel = tf.convert_to_tensor(kernel.value if isinstance(kernel, keras.Variable) else kernel)
+            if recomputing:
+                x = _replay(product, inputs, kernel, kept[position[id(layer)]])
+                position[id(layer)] += 1
+            else:
+                x = product(inputs, kernel)
+                kept.append(x)
+            if layer.bias is not None:
+                x = keras.ops.add(x, layer.bias)
+            if layer.activation is not None:
+                x = layer.activation(x)
+            return x
+
+        return call
+
+
+def _replay(product, x, kernel, kept):
+    """`kept` (what `product(x, kernel)` gave in the forward pass), with the
+    gradient of `product` with respect to `x` and `kernel`. The product inside
+    the gradient is only there for its gradient, which needs its inputs, not
+    its value: TensorFlow's graph optimiser and XLA remove it as unused."""
+
+    @tf.custom_gradient
+    def replayed(x, kernel):
+        def gradient(dy):
+            with tf.GradientTape() as tape:
+                tape.watch([x, kernel])
+                value = product(x, kernel)
+            return tape.gradient(value, [x, kernel], output_gradients=dy)
+
+        # Read once the recomputation reaches the product's input: without
+        # the dependency, the executor runs what follows every kept product
+        # (the activations) as soon as the forward pass ends, all blocks at
+        # once, and the step peaks as high as without checkpointing.
+        with tf.control_dependencies([x]):
+            return tf.identity(kept), gradient
+
+    return replayed(x, kernel)

@@ -124,11 +124,13 @@ class Plan:
         segments between runs kept plain in one group each."""
         return _groups(self.runs, len(self.segments))
 
-    def apply(self) -> Model:
+    def apply(self, policy: str = "full") -> Model:
         """A `kvram.Model` computing the same function as `model` on the
         **same variables** (the same weights, trained together; no copies),
-        with each planned run under `kvram.layers.Checkpoint`."""
-        return rebuild(self.model, *self.groups())
+        with each planned run under `kvram.layers.Checkpoint(policy=policy)`.
+        The plan's peaks are those of "full"; "save_dots" keeps more (each
+        run's Dense/EinsumDense products) and recomputes less."""
+        return rebuild(self.model, *self.groups(), policy=policy)
 
     def __str__(self) -> str:
         recomputed = {i for first, last in self.runs for i in range(first, last + 1)}

@@ -26,7 +26,7 @@ import dataclasses
 import keras
 from keras import tree
 
-from kvram.layers import Checkpoint
+from kvram.layers.checkpoint import POLICIES, Checkpoint
 from kvram.training import Model
 
 
@@ -261,7 +261,7 @@ def _check_no_layer_across_cuts(model, found):
                 )
 
 
-def rebuild(model: keras.Model, groups, checkpoint) -> keras.Model:
+def rebuild(model: keras.Model, groups, checkpoint, policy: str = "full") -> keras.Model:
     """`model` as a chain of sub-models, each a run of consecutive segments.
 
     Args:
@@ -269,6 +269,8 @@ def rebuild(model: keras.Model, groups, checkpoint) -> keras.Model:
         groups: lists of consecutive segment indices covering all of
             `segments(model)` in order, e.g. [[0, 1], [2], [3, 4, 5]].
         checkpoint: for each group, whether it runs as a `Checkpoint`.
+        policy: the `Checkpoint` policy of those groups ("full": recompute
+            everything; "save_dots": keep the Dense/EinsumDense products).
 
     Returns:
         A `kvram.Model` calling the same layers (the same variables as
@@ -286,12 +288,14 @@ def rebuild(model: keras.Model, groups, checkpoint) -> keras.Model:
         raise ValueError(
             f"checkpoint needs one flag per group ({len(groups)}). Received {len(checkpoint)}."
         )
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}. Received: policy={policy!r}")
     inputs = _new_inputs(model)
     tensors = {id(old): new for old, new in zip(model.inputs, tree.flatten(inputs))}
     for number, (group, recompute) in enumerate(zip(groups, checkpoint)):
         first, last = chain[group[0]], chain[group[-1]]
         part = _part(chain[group[0]:group[-1] + 1], f"{model.name}_part{number}")
-        call = Checkpoint(part) if recompute else part
+        call = Checkpoint(part, policy=policy) if recompute else part
         if _single(first, last):
             tensors[id(last.output)] = call(tensors[id(first.input)])
         else:
