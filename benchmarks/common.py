@@ -83,10 +83,16 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
 
 def timed_torch_steps(step, steps: int, warmup: int) -> dict:
     """Runs `step()` (returns the loss tensor) `warmup` times, then `steps` timed
-    times; returns seconds, the last loss and PyTorch's peak allocated GiB."""
+    times; returns seconds, the last loss, PyTorch's peak allocated GiB, and
+    the first warm-up step's seconds (`torch.compile`'s compilation happens
+    there; it is not in the timed steps)."""
     import torch
 
-    for _ in range(warmup):
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    for _ in range(warmup - 1):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -99,6 +105,7 @@ def timed_torch_steps(step, steps: int, warmup: int) -> dict:
         "seconds": time.perf_counter() - start,
         "loss": final,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "first_step_s": first,
     }
 
 

@@ -1,0 +1,140 @@
+"""A GPT-2-medium-shaped decoder on one GPU: plain Keras vs kvram, in one run.
+
+KerasHub's `GPT2Backbone` built from a config (nothing downloaded: 24 layers,
+hidden 1024, 16 heads, MLP 4096, vocabulary 50257, sequence 1024) with a Dense
+LM head, mixed_bfloat16, AdamW (lr 1e-4), XLA, on one synthetic batch of token
+ids (held by `tf.data` on the host, copied every step). Each configuration runs
+in its own process and reports tokens/s over timed steps after warm-up and
+TensorFlow's peak GPU memory during them (weights, gradients and optimizer
+state included).
+
+    python benchmarks/decoder/bench.py --out results.json
+    python benchmarks/decoder/bench.py --only kvram_dots --batch 8
+
+Configurations:
+    keras_bf16      the model as built: plain `keras.Model`, `model.fit`.
+    kvram_full      kvram.remat.rebuild: every decoder block a
+                    `Checkpoint` (recomputed whole in the backward pass).
+    kvram_dots      the same with `policy="save_dots"`: each block's
+                    Dense/EinsumDense products kept, the rest recomputed.
+    kvram_plan      `kvram.remat.plan(model, batch, budget)` with the
+                    budget `--budget-gib` (XLA-checked), applied.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from benchmarks.common import child_result, gpu_name, run_children, timed_fit, versions  # noqa: E402
+
+SHAPE = dict(vocabulary_size=50257, num_layers=24, num_heads=16, hidden_dim=1024, intermediate_dim=4096,
+             max_sequence_length=1024, dropout=0.1)
+CONFIGS = {
+    "keras_bf16": dict(kvram=None),
+    "kvram_full": dict(kvram="blocks", policy="full"),
+    "kvram_dots": dict(kvram="blocks", policy="save_dots"),
+    "kvram_plan": dict(kvram="plan"),
+}
+
+
+def build(settings, batch, sequence, budget_gib):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+    import keras_hub
+    import numpy as np
+    import tensorflow as tf
+
+    import kvram
+    from kvram import remat
+
+    kvram.precision.enable("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    shape = dict(SHAPE, max_sequence_length=max(sequence, 1024))
+    backbone = keras_hub.models.GPT2Backbone(**shape)
+    logits = keras.layers.Dense(shape["vocabulary_size"], dtype="float32", name="lm_head")(backbone.output)
+    model = keras.Model(backbone.input, logits, name="gpt2_medium")
+    rng = np.random.default_rng(0)
+    x = {"token_ids": tf.constant(rng.integers(0, shape["vocabulary_size"], (batch, sequence)), tf.int32),
+         "padding_mask": tf.ones((batch, sequence), tf.int32)}
+    y = tf.constant(rng.integers(0, shape["vocabulary_size"], (batch, sequence)), tf.int32)
+    planning = {}
+    if settings["kvram"] == "blocks":
+        chain = remat.segments(model)
+        flags = [any(n.startswith("transformer_layer") for n in s.layers) for s in chain]
+        model = remat.rebuild(model, [[i] for i in range(len(chain))], flags, policy=settings["policy"])
+    elif settings["kvram"] == "plan":
+        started = time.perf_counter()
+        chosen = remat.plan(model, (x, y), int(budget_gib * 2**30),
+                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            optimizer=keras.optimizers.AdamW(1e-4))
+        planning = {"plan_s": time.perf_counter() - started, "plan": str(chosen)}
+        model = chosen.apply()
+    model.compile(
+        optimizer=keras.optimizers.AdamW(1e-4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    return model, tf.data.Dataset.from_tensors((x, y)).repeat(), planning
+
+
+def run(name, batch, sequence, steps, warmup, budget_gib):
+    import keras
+    import tensorflow as tf
+
+    settings = CONFIGS[name]
+    model, data, planning = build(settings, batch, sequence, budget_gib)
+    timed = timed_fit(model, data, steps, warmup, ["GPU:0"])
+    return {
+        "versions": {**versions(), "keras_hub": sys.modules["keras_hub"].__version__},
+        "framework": f"tensorflow {tf.__version__}, keras {keras.__version__}",
+        "settings": settings,
+        "parameters": model.count_params(),
+        "tokens_per_s": batch * sequence * timed["steps"] / timed["seconds"],
+        "peak_gib": timed["peak_gib"]["GPU:0"],
+        "final_loss": timed["loss"],
+        **planning,
+    }
+
+
+def main():
+    import argparse
+    import json
+    import platform
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--sequence", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--budget-gib", type=float, default=0.0, help="kvram_plan's budget")
+    parser.add_argument("--out")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child_result(run(args.child, args.batch, args.sequence, args.steps, args.warmup, args.budget_gib))
+        return
+    names = args.only or [n for n in CONFIGS if n != "kvram_plan" or args.budget_gib]
+    results = run_children(
+        __file__, names,
+        ["--batch", args.batch, "--sequence", args.sequence, "--steps", args.steps, "--warmup", args.warmup,
+         "--budget-gib", args.budget_gib],
+        lambda r: f"{r['tokens_per_s']:9.0f} tokens/s  {r['peak_gib']:6.2f} GiB  loss {r['final_loss']:.3f}",
+    )
+    report = {
+        "benchmark": "gpt2_medium-train", "gpu": gpu_name(), "python": platform.python_version(),
+        "batch": args.batch, "sequence": args.sequence, "steps": args.steps, "warmup": args.warmup,
+        "command": "python " + " ".join(sys.argv), "results": results,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
