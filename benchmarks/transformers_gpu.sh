@@ -3,10 +3,11 @@
 # each, with TensorFlow staged per ../shared/gpu/README.md (source /tmp/tf-env.sh):
 #   A  ViT-B/16 batch 256: torch.compile, kvram without checkpointing, with a
 #      full Checkpoint per block, with save_dots per block, PyTorch eager
-#   B  ViT-B/16 with keras.layers.MultiHeadAttention in kvram's model; the
-#      buffers live at the peak of kvram's compiled step without checkpointing
-#   C  ResNet50 batch 256 against torch.compile; the GPT-2-medium-shaped
-#      decoder (KerasHub, wheels in .gpu/hub: keras-hub, regex, tokenizers)
+#   B  the buffers live at the peak of kvram's compiled ViT step without
+#      checkpointing; ResNet50 batch 256 against torch.compile
+#   C  the GPT-2-medium-shaped decoder (KerasHub; wheels in .gpu/hub:
+#      keras-hub, regex, tokenizers)
+#   D  ViT-B/16 with keras.layers.MultiHeadAttention in kvram's model
 # Each configuration writes OUT/<bench>_<config>.json as it finishes.
 #   bash benchmarks/transformers_gpu.sh A "$OUT"
 set -u
@@ -19,21 +20,21 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 vit() { for c in "$@"; do timeout 200 python benchmarks/vit/bench.py --only "$c" --out "$out/vit_$c.json"; done; }
 case $part in
 A) vit torch_fp16_compile kvram_nockpt_pin_spe16 kvram_pin_spe16 kvram_dots_pin_spe16 torch_fp16 ;;
-B) vit kvram_mha_nockpt_pin_spe16 kvram_mha_dots_pin_spe16
-   rm -rf /tmp/dump
+B) rm -rf /tmp/dump
    XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/dump --xla_dump_hlo_as_text" timeout 200 \
      python benchmarks/vit/bench.py --only kvram_nockpt_pin_spe16 --steps 16 --warmup 16 --out "$out/vit_dumped_kvram_nockpt_pin_spe16.json"
-   python benchmarks/profile/xla_buffers.py /tmp/dump --out "$out/vit_buffers_kvram_nockpt_pin_spe16.json" | head -60
-   ;;
-C) for c in torch_fp16_compile kvram_fp16_pin_spe16; do
+   python benchmarks/profile/xla_buffers.py /tmp/dump --out "$out/vit_buffers_kvram_nockpt_pin_spe16.json" | head -40
+   for c in torch_fp16_compile kvram_fp16_pin_spe16; do
      timeout 150 python benchmarks/resnet50/bench.py --only "$c" --out "$out/resnet50_$c.json"
    done
-   python3 -c "import regex, tokenizers" 2>/dev/null || echo "regex/tokenizers from .gpu/hub"
+   ;;
+C) python3 -c "import regex, tokenizers" 2>/dev/null || echo "regex/tokenizers from .gpu/hub"
    python3 -m pip install -q --no-index --no-deps --target /tmp/hub .gpu/hub/*.whl
    export PYTHONPATH=$PYTHONPATH:/tmp/hub
    for c in keras_bf16 kvram_dots kvram_full; do
-     timeout 200 python benchmarks/decoder/bench.py --only "$c" --out "$out/decoder_$c.json"
+     timeout 190 python benchmarks/decoder/bench.py --only "$c" --out "$out/decoder_$c.json"
    done
    ;;
+D) vit kvram_mha_nockpt_pin_spe16 kvram_mha_dots_pin_spe16 ;;
 esac
 ls "$out"
