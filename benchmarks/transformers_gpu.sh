@@ -8,6 +8,8 @@
 #   C  the GPT-2-medium-shaped decoder (KerasHub; wheels in .gpu/hub:
 #      keras-hub, regex, tokenizers)
 #   D  ViT-B/16 with keras.layers.MultiHeadAttention in kvram's model
+#   E  ViT-B/16 with kvram.speed.lean_activations
+#   F  one decoder configuration, named third (C runs three, too long on an H200)
 # Each configuration writes OUT/<bench>_<config>.json as it finishes.
 #   bash benchmarks/transformers_gpu.sh A "$OUT"
 set -u
@@ -36,5 +38,12 @@ C) python3 -c "import regex, tokenizers" 2>/dev/null || echo "regex/tokenizers f
    done
    ;;
 D) vit kvram_mha_nockpt_pin_spe16 kvram_mha_dots_pin_spe16 ;;
+E) vit kvram_lean_nockpt_pin_spe16 kvram_lean_dots_pin_spe16 ;;
+# one decoder configuration (its compilation takes minutes): F keras_bf16, F kvram_dots, ...
+F) python3 -c "import regex, tokenizers" 2>/dev/null || echo "regex/tokenizers from .gpu/hub"
+   python3 -m pip install -q --no-index --no-deps --target /tmp/hub .gpu/hub/*.whl
+   export PYTHONPATH=$PYTHONPATH:/tmp/hub
+   timeout 560 python benchmarks/decoder/bench.py --only "$3" --warmup 2 --steps 6 --out "$out/decoder_$3.json"
+   ;;
 esac
 ls "$out"

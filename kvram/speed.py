@@ -10,8 +10,9 @@ from __future__ import annotations
 import keras
 
 from kvram.layers.batch_norm import FusedBatchNormalization
+from kvram.layers.lean import LeanLayerNormalization, lean_gelu
 
-__all__ = ["fuse_batch_norm", "pin_host_memory", "host_memory_pinned"]
+__all__ = ["fuse_batch_norm", "lean_activations", "pin_host_memory", "host_memory_pinned"]
 
 
 def pin_host_memory() -> None:
@@ -96,6 +97,44 @@ def fuse_batch_norm(model: keras.layers.Layer) -> int:
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if type(layer) is keras.layers.BatchNormalization:
             layer.__class__ = FusedBatchNormalization
+            switched += 1
+    if switched and isinstance(model, keras.Model):
+        model.train_function = model.test_function = model.predict_function = None
+    return switched
+
+
+def lean_activations(model: keras.layers.Layer) -> int:
+    """Makes the exact GELUs and the LayerNormalizations of `model` keep only
+    their inputs for the backward pass, in place (`kvram.layers.lean`).
+
+    Every `Dense` or `EinsumDense` whose activation is
+    `keras.activations.gelu` (`activation="gelu"`) gets `lean_gelu`, and every
+    `keras.layers.LayerNormalization` becomes a `LeanLayerNormalization` (same
+    weights and configuration). Outputs are unchanged; gradients agree within
+    float rounding (tests/test_speed.py). Memory: a ViT-B block at batch 256
+    kept 886 MB of GELU intermediates and two float32 copies for its
+    LayerNormalizations (benchmarks/results/vit_buffers_h200.json). Works on
+    any model, inside `kvram.layers.Checkpoint` too; call it before training.
+    Saved models record `kvram>lean_gelu` and the kvram layer class: loading
+    them needs kvram imported.
+
+    Returns:
+        How many layers were switched.
+
+    Raises:
+        TypeError: `model` is not a Keras layer or model.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"lean_activations expects a Keras model or layer. Received: model={model!r}")
+    switched = 0
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if type(layer) is keras.layers.LayerNormalization:
+            layer.__class__ = LeanLayerNormalization
+            switched += 1
+        elif isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) and (
+            getattr(layer, "activation", None) is keras.activations.gelu
+        ):
+            layer.activation = lean_gelu
             switched += 1
     if switched and isinstance(model, keras.Model):
         model.train_function = model.test_function = model.predict_function = None

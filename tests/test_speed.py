@@ -211,3 +211,92 @@ def test_pin_host_memory_at_program_start_reaches_the_runtime(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pinned True True" in out.stdout
+
+
+def _vit_tiny_step(lean, policy="float32", jit=False):
+    """Loss, gradients and the step peak of models/vit.py's vit_tiny (Keras
+    MultiHeadAttention, exact GELUs, LayerNormalizations), with or without
+    `lean_activations`."""
+    from models.vit import vit_tiny
+    from tests.helpers import run_with_peak
+
+    keras.backend.clear_session()
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        model = vit_tiny(attention="keras", checkpoint=False, mlp=512)
+        if lean:
+            assert kvram.speed.lean_activations(model) == 4 * 3 + 1  # a block's two norms and GELU; the final norm
+        x = tf.random.normal((64, 32, 32, 3))
+        y = tf.random.uniform((64,), maxval=10, dtype=tf.int32)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function(jit_compile=jit)
+        def step():
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            return loss, tape.gradient(loss, model.trainable_variables)
+
+        (loss, grads), peak = run_with_peak(step, warm=True)
+        return loss, grads, peak
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_lean_gelu_and_layer_norm_equal_keras(x_dtype):
+    from kvram.layers.lean import LeanLayerNormalization, lean_gelu
+
+    x = tf.cast(tf.random.normal((4, 7, 32), seed=1) * 3, x_dtype)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        ours, theirs = lean_gelu(x), keras.activations.gelu(x)
+    np.testing.assert_array_equal(values(ours), values(theirs))
+    tol = 1e-6 if x_dtype == "float32" else 1e-2  # bf16's epsilon 7.8e-3
+    assert max_rel_diff([tape.gradient(theirs, x)], [tape.gradient(ours, x)]) <= tol
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16" if x_dtype == "bfloat16" else "float32")
+    try:
+        norm = keras.layers.LayerNormalization(epsilon=1e-6)
+        norm.build(x.shape)
+        norm.gamma.assign(tf.random.normal((32,), 1.0, 0.3, seed=2))
+        norm.beta.assign(tf.random.normal((32,), 0.0, 0.3, seed=3))
+        lean = LeanLayerNormalization.from_config(norm.get_config())
+        lean.build(x.shape)
+        lean.set_weights(norm.get_weights())
+        results = []
+        for layer in (norm, lean):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                out = layer(x)
+                loss = tf.reduce_sum(tf.cast(out, tf.float32) * tf.range(32, dtype=tf.float32))
+            results.append((out, tape.gradient(loss, [x, *layer.trainable_variables])))
+        (a, ga), (b, gb) = results
+        assert b.dtype == a.dtype
+        assert max_rel_diff([tf.cast(a, tf.float32)], [tf.cast(b, tf.float32)]) <= tol
+        assert max_rel_diff(ga, gb) <= (1e-5 if x_dtype == "float32" else 1e-2)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_lean_activations_keep_a_vit_step_and_lower_its_peak():
+    plain_loss, plain_grads, plain_peak = _vit_tiny_step(lean=False)
+    lean_loss, lean_grads, lean_peak = _vit_tiny_step(lean=True)
+    print(f"vit_tiny step peak: plain {plain_peak / 2**20:.1f} MiB, lean {lean_peak / 2**20:.1f} MiB")
+    assert float(lean_loss) == pytest.approx(float(plain_loss), rel=1e-6)
+    assert max_rel_diff(plain_grads, lean_grads, per_tensor=False) <= 1e-5
+    # each block keeps its GELU's input alone, and its norms' inputs without float32 copies
+    assert lean_peak <= 0.85 * plain_peak, (plain_peak, lean_peak)
+
+
+def test_lean_activations_rejects_non_layers_and_leaves_other_activations():
+    with pytest.raises(TypeError, match="lean_activations expects a Keras model or layer. Received: model=3"):
+        kvram.speed.lean_activations(3)
+    model = keras.Sequential([keras.Input((5, 4)), keras.layers.Dense(4, activation="relu"),
+                              keras.layers.LayerNormalization(axis=1)])
+    x = tf.random.normal((3, 5, 4))
+    before = values(model(x, training=True))
+    # the norm's class (over axis 1 it runs Keras's own computation); the relu stays
+    assert kvram.speed.lean_activations(model) == 1
+    assert model.layers[0].activation is keras.activations.relu
+    np.testing.assert_array_equal(values(model(x, training=True)), before)

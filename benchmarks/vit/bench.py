@@ -74,6 +74,14 @@ CONFIGS = {
     "kvram_mha_pin_spe16": (
         "tf", dict(policy="mixed_bfloat16", attention="keras", kvram_data=True, checkpoint=True, spe=16, pin=True)
     ),
+    # kvram.speed.lean_activations: GELU and LayerNorm keep only their inputs
+    "kvram_lean_nockpt_pin_spe16": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False, lean=True, spe=16, pin=True)
+    ),
+    "kvram_lean_dots_pin_spe16": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=True, ckpt_policy="save_dots",
+                   lean=True, spe=16, pin=True)
+    ),
     # XLA's latency-hiding scheduler
     "kvram_nockpt_pin_spe16_lhs": (
         "tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False, spe=16, pin=True,
@@ -100,6 +108,8 @@ def run_tf(settings, batch, steps, warmup, device):
             attention=settings["attention"], checkpoint=settings["checkpoint"],
             policy=settings.get("ckpt_policy", "full"),
         )
+        if settings.get("lean"):
+            kvram.speed.lean_activations(model)
         if settings["attention"] == "keras" and not settings.get("kvram_data"):
             model.prefetch_to_gpu = None  # plain Keras: no kvram data path either
         model.compile(

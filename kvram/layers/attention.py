@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from kvram import _checks
+from kvram.layers._order import after
 
 __all__ = ["MemoryEfficientAttention", "chunked_attention"]
 
@@ -220,22 +221,8 @@ def _forward(q, k, v, plan):
     return o / l, m, l
 
 
-def _after(gradient):
-    """A zero that XLA must compute from `gradient` (one element of it): added
-    to the backward pass's inputs, it orders the recomputation of the scores
-    after the gradient arrives. Without it nothing orders them (XLA ignores
-    control dependencies): XLA's schedule computed every attention layer's
-    backward probabilities as soon as the forward pass ended and held them
-    all at the step's peak (seen in the buffers live at the peak of a ViT's
-    compiled step). `tf.recompute_grad` orders its recomputation so too.
-    min(|g|, 0) is 0 for every g but NaN (a NaN gradient stays NaN), and XLA
-    does not fold it away."""
-    first = tf.reduce_max(tf.reshape(tf.cast(gradient, tf.float32), [-1])[:1])
-    return tf.minimum(tf.abs(first), 0.0)
-
-
 def _backward(q, k, v, out, m, l, d_out, plan):
-    dependency = _after(d_out)
+    dependency = after(d_out)  # recomputed when this layer's gradient arrives
     q = q + tf.cast(dependency, q.dtype)
     k = k + tf.cast(dependency, k.dtype)
     v = v + tf.cast(dependency, v.dtype)

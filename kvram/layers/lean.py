@@ -1,0 +1,90 @@
+"""GELU and LayerNormalization that keep only their input for the backward pass.
+
+Keras builds both from primitives, and automatic differentiation keeps what
+the primitives' gradients read: for the exact GELU, the bf16 intermediates
+of `0.5 * x * (1 + erf(x / sqrt(2)))` (886 MB a ViT-B block at batch 256 beside
+its 328 MB input, 10.4 GiB over the 12 blocks at the peak of the XLA-compiled
+step on an H200: benchmarks/results/vit_buffers_h200.json); for
+LayerNormalization under mixed precision, float32 copies of its input and of
+the normalised values (3.4 GiB there). These compute the same values and keep
+the input (in its own dtype) and, for LayerNormalization, the per-row mean and
+reciprocal deviation; the backward pass recomputes the rest, as PyTorch's
+fused kernels do. The recomputation waits for the incoming gradient
+(`_order.after`), or XLA would do it right after the forward pass and hold it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from kvram.layers._order import after
+
+
+@keras.saving.register_keras_serializable(package="kvram")
+def lean_gelu(x):
+    """The exact GELU, `keras.activations.gelu(x)`, keeping only `x` for the
+    gradient."""
+    x = tf.convert_to_tensor(x)
+
+    @tf.custom_gradient
+    def gelu(x):
+        def gradient(dy):
+            x32 = tf.cast(x, tf.float32) + after(dy)
+            cdf = 0.5 * (1.0 + tf.math.erf(x32 * (1.0 / math.sqrt(2.0))))
+            pdf = tf.exp(-0.5 * tf.square(x32)) * (1.0 / math.sqrt(2.0 * math.pi))
+            return tf.cast(tf.cast(dy, tf.float32) * (cdf + x32 * pdf), x.dtype)
+
+        return keras.activations.gelu(x, approximate=False), gradient
+
+    return gelu(x)
+
+
+def lean_layer_norm(x, gamma, beta, epsilon):
+    """LayerNormalization over the last axis (float32 statistics, output in
+    `x`'s dtype), keeping `x`, the mean and the reciprocal deviation."""
+    x = tf.convert_to_tensor(x)
+    axes = list(range(x.shape.rank - 1))
+
+    @tf.custom_gradient
+    def normalise(x, gamma, beta):
+        x32 = tf.cast(x, tf.float32)
+        mean = tf.reduce_mean(x32, axis=-1, keepdims=True)
+        rstd = tf.math.rsqrt(tf.reduce_mean(tf.square(x32 - mean), axis=-1, keepdims=True) + epsilon)
+        y = (x32 - mean) * rstd * tf.cast(gamma, tf.float32) + tf.cast(beta, tf.float32)
+
+        def gradient(dy):
+            dy32 = tf.cast(dy, tf.float32)
+            xhat = (tf.cast(x, tf.float32) + after(dy) - mean) * rstd
+            d_gamma = tf.reduce_sum(dy32 * xhat, axis=axes)
+            d_beta = tf.reduce_sum(dy32, axis=axes)
+            g = dy32 * tf.cast(gamma, tf.float32)
+            dx = rstd * (g - tf.reduce_mean(g, -1, keepdims=True) - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
+            return tf.cast(dx, x.dtype), tf.cast(d_gamma, gamma.dtype), tf.cast(d_beta, beta.dtype)
+
+        return tf.cast(y, x.dtype), gradient
+
+    return normalise(x, gamma, beta)
+
+
+class LeanLayerNormalization(keras.layers.LayerNormalization):
+    """`keras.layers.LayerNormalization` computed by `lean_layer_norm` where it
+    normalises the last axis with a scale and a centre and no RMS scaling;
+    otherwise Keras's own computation. Same weights and configuration."""
+
+    def _lean(self, rank) -> bool:
+        axes = [self.axis] if isinstance(self.axis, int) else list(self.axis)
+        return (
+            not self.rms_scaling and self.scale and self.center
+            and [a % rank for a in axes] == [rank - 1]
+        )
+
+    def call(self, inputs):
+        if inputs.shape.rank is None or not self._lean(inputs.shape.rank):
+            return super().call(inputs)
+        outputs = lean_layer_norm(
+            tf.cast(inputs, self.compute_dtype), self.gamma.value, self.beta.value, self.epsilon
+        )
+        return tf.cast(outputs, self.compute_dtype)
