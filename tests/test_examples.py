@@ -62,3 +62,13 @@ def test_fit_a_budget_example_trains_within_its_budget(request):
     chosen, budget, peak = load("fit_a_budget").main(["--steps", "2"])
     assert chosen.runs and chosen.predicted_peak_bytes <= budget
     assert peak <= 1.10 * budget, (peak, budget)
+
+
+def test_transformer_budget_example_trains_within_its_budget(request):
+    from tests.helpers import in_own_process
+
+    if in_own_process(request):  # the allocator's peak while training, in a process of its own
+        return
+    chosen, budget, peak = load("transformer_budget").main(["--steps", "2"])
+    assert chosen.runs and chosen.predicted_peak_bytes <= budget
+    assert peak <= 1.10 * budget, (peak, budget)
