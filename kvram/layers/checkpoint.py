@@ -239,13 +239,18 @@ class _Dots:
             else:
                 x = product(inputs, kernel)
                 kept.append(x)
-            if layer.bias is not None:
-                x = keras.ops.add(x, layer.bias)
-            if layer.activation is not None:
-                x = layer.activation(x)
-            return x
+            return dense_epilogue(layer, x)
 
         return call
+
+
+def dense_epilogue(layer, x):
+    """What a Dense/EinsumDense `call` does after its product: bias, activation."""
+    if layer.bias is not None:
+        x = keras.ops.add(x, layer.bias)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
 
 
 def _replay(product, x, kernel, kept):

@@ -10,6 +10,7 @@ import keras
 import tensorflow as tf
 
 from kvram.layers import Checkpoint
+from kvram.layers.checkpoint import dense_epilogue
 
 
 class DeferredKernels:
@@ -47,12 +48,7 @@ class DeferredKernels:
         records = self.records[id(layer)]
 
         def call(inputs, training=None):
-            x = _deferred_matmul(inputs, tf.convert_to_tensor(layer.kernel), records)
-            if layer.bias is not None:
-                x = keras.ops.add(x, layer.bias)
-            if layer.activation is not None:
-                x = layer.activation(x)
-            return x
+            return dense_epilogue(layer, _deferred_matmul(inputs, tf.convert_to_tensor(layer.kernel), records))
 
         return call
 
