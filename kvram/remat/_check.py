@@ -111,7 +111,8 @@ class _OutOfMemory(int):
 
 def _step_peak(model, x, y, loss_fn, device, jit) -> int:
     try:
-        return _step_peak_or_raise(model, x, y, loss_fn, device, jit)
+        with memory.state_kept(model):  # the steps move BatchNormalization statistics and seeds
+            return _step_peak_or_raise(model, x, y, loss_fn, device, jit)
     except tf.errors.ResourceExhaustedError:
         gc.collect()
         limit = memory.limit_bytes(device)

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from kvram import memory
 from kvram.remat._segments import _main_input, _ordered_nodes, _part
 
 
@@ -98,6 +99,11 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
 
 
 def _profile(model, chain, x, y, loss_fn, device):
+    with memory.state_kept(model):  # the steps move BatchNormalization statistics and seeds
+        return _profile_steps(model, chain, x, y, loss_fn, device)
+
+
+def _profile_steps(model, chain, x, y, loss_fn, device):
     parts = [(s, _part([s], f"{model.name}_segment{s.index}")) for s in chain]
     step, records = _probe_step(model, parts, x, y, loss_fn, model.trainable_variables, device)
     step()  # the first run also allocates what the runtime keeps (kernel caches)
