@@ -54,21 +54,12 @@ def test_mixed_precision_example_learns_in_every_policy():
     assert results["mixed_float16"]["loss_scale"] and results["mixed_bfloat16"]["loss_scale"] is None
 
 
-def test_fit_a_budget_example_trains_within_its_budget(request):
+@pytest.mark.parametrize("example", ["fit_a_budget", "transformer_budget"])
+def test_budget_example_trains_within_its_budget(example, request):
     from tests.helpers import in_own_process
 
     if in_own_process(request):  # the allocator's peak while training, in a process of its own
         return
-    chosen, budget, peak = load("fit_a_budget").main(["--steps", "2"])
-    assert chosen.runs and chosen.predicted_peak_bytes <= budget
-    assert peak <= 1.10 * budget, (peak, budget)
-
-
-def test_transformer_budget_example_trains_within_its_budget(request):
-    from tests.helpers import in_own_process
-
-    if in_own_process(request):  # the allocator's peak while training, in a process of its own
-        return
-    chosen, budget, peak = load("transformer_budget").main(["--steps", "2"])
+    chosen, budget, peak = load(example).main(["--steps", "2"])
     assert chosen.runs and chosen.predicted_peak_bytes <= budget
     assert peak <= 1.10 * budget, (peak, budget)
