@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# The transformer measurements on one GPU, in three parts of under ten minutes
+# The transformer measurements on one GPU, in parts of under ten minutes
 # each, with TensorFlow staged per ../shared/gpu/README.md (source /tmp/tf-env.sh):
 #   A  ViT-B/16 batch 256: torch.compile, kvram without checkpointing, with a
 #      full Checkpoint per block, with save_dots per block, PyTorch eager
 #   B  the buffers live at the peak of kvram's compiled ViT step without
 #      checkpointing; ResNet50 batch 256 against torch.compile
-#   C  the GPT-2-medium-shaped decoder (KerasHub; wheels in .gpu/hub:
-#      keras-hub, regex, tokenizers)
 #   D  ViT-B/16 with keras.layers.MultiHeadAttention in kvram's model
 #   E  ViT-B/16 with kvram.speed.lean_activations
-#   F  one decoder configuration, named third (C runs three, too long on an H200)
+#   F  one configuration of the GPT-2-medium-shaped decoder, named third (KerasHub;
+#      wheels in .gpu/hub: keras-hub, regex, tokenizers); its compilation takes minutes
 # Each configuration writes OUT/<bench>_<config>.json as it finishes.
 #   bash benchmarks/transformers_gpu.sh A "$OUT"
 set -u
@@ -30,16 +29,8 @@ B) rm -rf /tmp/dump
      timeout 150 python benchmarks/resnet50/bench.py --only "$c" --out "$out/resnet50_$c.json"
    done
    ;;
-C) python3 -c "import regex, tokenizers" 2>/dev/null || echo "regex/tokenizers from .gpu/hub"
-   python3 -m pip install -q --no-index --no-deps --target /tmp/hub .gpu/hub/*.whl
-   export PYTHONPATH=$PYTHONPATH:/tmp/hub
-   for c in keras_bf16 kvram_dots kvram_full; do
-     timeout 190 python benchmarks/decoder/bench.py --only "$c" --out "$out/decoder_$c.json"
-   done
-   ;;
 D) vit kvram_mha_nockpt_pin_spe16 kvram_mha_dots_pin_spe16 ;;
 E) vit kvram_lean_nockpt_pin_spe16 kvram_lean_dots_pin_spe16 ;;
-# one decoder configuration (its compilation takes minutes): F keras_bf16, F kvram_dots, ...
 F) python3 -c "import regex, tokenizers" 2>/dev/null || echo "regex/tokenizers from .gpu/hub"
    python3 -m pip install -q --no-index --no-deps --target /tmp/hub .gpu/hub/*.whl
    export PYTHONPATH=$PYTHONPATH:/tmp/hub

@@ -24,16 +24,6 @@ import json
 import os
 import re
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    match = re.match(r"\s*([\d.]+)\s*([KMGT]?i?B)", text)
-    if not match:
-        raise ValueError(f"not a size: {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
-
-
 def module_bytes(text: str) -> int:
     """The module's total allocation bytes ("Total bytes used: ...")."""
     match = re.search(r"Total bytes used:\s*(\d+)", text)
