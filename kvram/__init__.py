@@ -17,6 +17,10 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 if "tensorflow" not in _sys.modules:
     _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
+from kvram import _quiet  # noqa: E402
+
+_quiet.import_tensorflow_quietly()  # the `kvram` command only; see kvram/_quiet.py
+
 from kvram import callbacks, data, layers, memory, parallel, precision, remat, speed  # noqa: E402
 from kvram._version import __version__  # noqa: E402
 from kvram.training import Model  # noqa: E402

@@ -178,3 +178,60 @@ def test_launch_of_a_command_that_does_not_exist_is_one_line(capsys):
         "kvram launch: nosuchcmd: no such command (not on PATH, nor an executable file); no worker was "
         "started. Received: command=['nosuchcmd', '--flag']\n"
     )
+
+
+# No TensorFlow start-up lines in the command's output (kvram/_quiet.py)
+
+
+def _command(*argv, cwd):
+    """stderr and stdout of the `kvram` console script run as a user runs it: TF_CPP_MIN_LOG_LEVEL unset."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    script = os.path.join(os.path.dirname(sys.executable), "kvram")
+    done = subprocess.run([script, *argv], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.slow
+def test_the_command_prints_no_tensorflow_log_lines_unless_verbose(tmp_path):
+    code, out, err = _command("info", cwd=tmp_path)
+    assert code == 0 and "tensorflow" in out
+    assert err == ""  # without the fix: absl's notice, oneDNN's and cudart's lines, cuInit's error
+    code, out, err = _command("--verbose", "info", cwd=tmp_path)
+    assert code == 0 and "oneDNN custom operations" in err  # TF_ENABLE_ONEDNN_OPTS=1 (kvram/__init__.py)
+    # A user's error is still its one line, with the descriptor back in place.
+    code, out, err = _command("shards", "inspect", str(tmp_path / "missing"), cwd=tmp_path)
+    assert code == 1 and err == f"kvram shards inspect: {tmp_path / 'missing'}: no such shard directory\n"
+
+
+def test_quieting_is_for_the_command_alone():
+    from kvram import _quiet
+
+    bare = {}
+    assert _quiet.launched_as_command(["/venv/bin/kvram", "info"])
+    assert _quiet.launched_as_command(["-m", "info"])  # python -m kvram, while Python finds kvram
+    assert not _quiet.launched_as_command(["train.py"]) and not _quiet.launched_as_command([])
+    assert "tensorflow" in sys.modules  # here it is: nothing is left to quiet
+    assert not _quiet.wanted(["/venv/bin/kvram", "info"], bare)
+    real = sys.modules.pop("tensorflow")  # as before TensorFlow's import
+    try:
+        assert _quiet.wanted(["/venv/bin/kvram", "info"], bare)
+        assert not _quiet.wanted(["/venv/bin/kvram", "info", "--verbose"], bare)
+        assert not _quiet.wanted(["/venv/bin/kvram", "info"], {"TF_CPP_MIN_LOG_LEVEL": "0"})
+        assert not _quiet.wanted(["python", "train.py"], bare)
+    finally:
+        sys.modules["tensorflow"] = real
+
+
+def test_stderr_silenced_puts_the_descriptor_back(capfd):
+    from kvram import _quiet
+
+    with _quiet.stderr_silenced():
+        os.write(2, b"hidden\n")
+    os.write(2, b"shown\n")
+    assert capfd.readouterr().err == "shown\n"
+    with pytest.raises(RuntimeError), _quiet.stderr_silenced():
+        raise RuntimeError("an error inside")
+    os.write(2, b"back\n")
+    assert capfd.readouterr().err == "back\n"

@@ -12,7 +12,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from kvram import _version, memory, precision
+from kvram import _quiet, _version, memory, precision
 from kvram.cli._demo import run_demo
 from kvram.cli._plan import _plan
 from kvram.cli._shards import _shards_inspect, _shards_write, _shards_write_images
@@ -112,11 +112,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _verbose(parser: argparse.ArgumentParser, default=False) -> None:
+    # Read from sys.argv when kvram is imported, before TensorFlow is (kvram/_quiet.py):
+    # here so that --help shows it and the parser accepts it before or after the command.
+    parser.add_argument(_quiet.VERBOSE_FLAG, action="store_true", default=default,
+                        help="show TensorFlow's own log lines (hidden by default)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvram", description=__doc__,
         epilog="A mistake in the input ends a command with one line on stderr and exit code 1 "
                "(2 for a bad option); KVRAM_TRACEBACK=1 shows the traceback instead.")
+    _verbose(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="TF/Keras versions, devices, GPU memory, NVML status")
     info.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -205,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     launcher.set_defaults(func=_launch)
     for command in (info, demo, planner, write, images, inspect, launcher):
         command.set_defaults(prog=command.prog)  # "kvram shards write": what its errors begin with
+        _verbose(command, default=argparse.SUPPRESS)
     return parser
 
 

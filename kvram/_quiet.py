@@ -1,0 +1,80 @@
+"""Keeps TensorFlow's C++ start-up lines out of the `kvram` command's output.
+
+TensorFlow writes, on import and on its first device query, lines that read as errors to a
+user who did nothing wrong ("oneDNN custom operations are on", "Could not find cuda drivers",
+"failed call to cuInit: UNKNOWN ERROR (303)" on a machine without a GPU). Some are written
+before absl's logging starts ("WARNING: All log messages before absl::InitializeLog() is
+called are written to STDERR") and so ignore TF_CPP_MIN_LOG_LEVEL (absl writes every message
+logged before its initialisation, whatever its level: https://github.com/abseil/abseil-cpp/pull/1957,
+https://github.com/tensorflow/tensorflow/pull/102212). For the `kvram` command only (not a
+program that imports kvram), the import runs with file descriptor 2 pointed at /dev/null and
+TF_CPP_MIN_LOG_LEVEL defaults to 3; `--verbose` anywhere on the command line, or a
+TF_CPP_MIN_LOG_LEVEL the user set, leaves both as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+VERBOSE_FLAG = "--verbose"
+
+
+def launched_as_command(argv: list[str] | None = None) -> bool:
+    """True in the `kvram` console script and in `python -m kvram` (whose first argument reads
+    "-m" while Python finds the module, which is when this package is imported)."""
+    argv = sys.argv if argv is None else argv
+    if not argv:
+        return False
+    first = os.path.basename(argv[0])
+    return first in ("kvram", "kvram.exe", "-m")
+
+
+def wanted(argv: list[str] | None = None, environ=None) -> bool:
+    """Whether to quiet TensorFlow's start-up: the `kvram` command, without `--verbose`,
+    with TF_CPP_MIN_LOG_LEVEL not set by the user, before TensorFlow is imported."""
+    argv = sys.argv if argv is None else argv
+    environ = os.environ if environ is None else environ
+    return (
+        launched_as_command(argv)
+        and VERBOSE_FLAG not in argv[1:]
+        and "TF_CPP_MIN_LOG_LEVEL" not in environ
+        and "tensorflow" not in sys.modules
+    )
+
+
+@contextlib.contextmanager
+def stderr_silenced():
+    """Points file descriptor 2 (what C++ code writes to) at /dev/null for the block.
+
+    Python's own sys.stderr is flushed first and writes to the same descriptor, so a Python
+    error raised inside the block is printed after the descriptor is back, not lost."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real descriptor 2 (an embedding host)
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def import_tensorflow_quietly() -> None:
+    """Imports TensorFlow (and Keras) with its start-up lines silenced, when `wanted()`."""
+    if not wanted():
+        return
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    with stderr_silenced():
+        import keras  # noqa: F401
+        import tensorflow as tf
+
+        # The first device query loads the CUDA driver (or fails to: cuInit's error line).
+        tf.config.list_physical_devices()
