@@ -272,7 +272,7 @@ def test_mirrored_xla_step_traces_as_on_gpus(mirrored, monkeypatch, micro_batch_
     held = _step.step_state_variables(model, model._step_state)
     assert any(v is model.optimizer.iterations.value for v in held)
     # kvram's counters are tf.Variables (their `value` is a method): held too.
-    # Missed, their update took a merge_call on two H200s (session 28)
+    # Missed, their update took a merge_call on two H200s (benchmarks/results/distribute_2xh200*.json)
     assert all(any(v is c for v in held) for c in model._step_state.counters())
     # the aggregation is only changed while tracing
     assert all(

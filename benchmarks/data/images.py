@@ -2,7 +2,7 @@
 cores, one run: kvram's shards (JPEG bytes decoded in tf.data, and decoded
 uint8), PyTorch's DataLoader over torchvision's ImageFolder, and
 keras.utils.image_dataset_from_directory. Every image is made here (numpy +
-Pillow, one random stream per image since session 25; data_images_cpu.json was
+Pillow, one random stream per image; data_images_cpu.json was
 made with one stream for the whole set: the same sizes and statistics), nothing
 is downloaded.
 

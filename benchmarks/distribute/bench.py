@@ -151,7 +151,7 @@ def main():
     parser.add_argument("--logical", type=float, default=0, metavar="GIB",
                         help="MirroredStrategy over two logical GPUs of GIB each on the first GPU "
                              "(does it train; not a speed). Under XLA it did not, for kvram or plain "
-                             "Keras (session 27): replica 1's compiled step ran on GPU:0 and could "
+                             "Keras: replica 1's compiled step ran on GPU:0 and could "
                              "not read its variables on GPU:1, as on logical CPUs")
     parser.add_argument("--input", choices=("global", "per-replica"), default="global",
                         help="global: one dataset of global batches, split by the strategy on the "
