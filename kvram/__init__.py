@@ -25,6 +25,9 @@ from kvram import callbacks, data, layers, memory, parallel, precision, remat, s
 from kvram._version import __version__  # noqa: E402
 from kvram.training import Model  # noqa: E402
 
+if speed.pins_by_default():  # batches reach the GPU by DMA; KVRAM_PIN_HOST_MEMORY=0 leaves it
+    speed.pin_host_memory()
+
 __all__ = [
     "Model",
     "callbacks",

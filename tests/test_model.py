@@ -289,3 +289,64 @@ def test_built_optimizer_cannot_start_accumulating():
     optimizer.build(model.trainable_variables)
     with pytest.raises(ValueError, match="already built"):
         model.compile(optimizer=optimizer, loss="mse")
+
+
+# steps_per_execution="auto", kvram.Model's default (kvram/training/_execution.py)
+
+
+class _EveryBatch(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(batch)
+
+
+def _fitted(steps_per_execution="auto", callbacks=(), **compile_kwargs):
+    net = mlp(checkpoint=False)
+    net.compile(optimizer="adam", loss="mse", steps_per_execution=steps_per_execution, **compile_kwargs)
+    x, y = data(n=40 * 8)
+    net.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2, verbose=0,
+            callbacks=list(callbacks))
+    return net
+
+
+def test_auto_runs_sixteen_batches_a_call_and_trains_the_same():
+    fast = _fitted()
+    assert fast.steps_per_execution == 16
+    keras.utils.set_random_seed(1234)
+    one = _fitted(steps_per_execution=1)
+    assert one.steps_per_execution == 1
+    assert int(fast.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy()) == 80
+    for a, b in zip(values(fast.weights), values(one.weights)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_runs_one_batch_a_call_for_a_callback_that_sees_every_batch():
+    watcher = _EveryBatch()
+    net = _fitted(callbacks=[watcher])
+    assert net.steps_per_execution == 1 and watcher.seen == list(range(40)) * 2
+    seen = []
+    net = _fitted(callbacks=[keras.callbacks.LambdaCallback(on_batch_end=lambda b, logs: seen.append(b))])
+    assert net.steps_per_execution == 1 and len(seen) == 80
+    # Epoch-level callbacks need no batch: 16 a call.
+    assert _fitted(callbacks=[keras.callbacks.EarlyStopping("loss", patience=5)]).steps_per_execution == 16
+    assert _fitted(run_eagerly=True).steps_per_execution == 1
+
+
+def test_a_number_is_kept_and_a_bad_value_is_refused():
+    assert _fitted(steps_per_execution=4, callbacks=[_EveryBatch()]).steps_per_execution == 4
+    net = mlp(checkpoint=False)
+    for bad in (0, "fast", 2.0, True):
+        with pytest.raises(ValueError, match=r"steps_per_execution must be 'auto' or an int >= 1. Received: "):
+            net.compile(optimizer="adam", loss="mse", steps_per_execution=bad)
+
+
+def test_auto_is_saved_as_auto(tmp_path):
+    net = _fitted()
+    path = tmp_path / "auto.keras"
+    net.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_compile_config()["steps_per_execution"] == "auto"
+    assert loaded._auto_steps_per_execution and loaded.steps_per_execution == 1  # until fit resolves it

@@ -300,3 +300,17 @@ def test_lean_activations_rejects_non_layers_and_leaves_other_activations():
     assert kvram.speed.lean_activations(model) == 1
     assert model.layers[0].activation is keras.activations.relu
     np.testing.assert_array_equal(values(model(x, training=True)), before)
+
+
+def test_import_pins_host_memory_where_a_gpu_is_seen_unless_told_not_to():
+    from kvram import speed
+
+    gpu = ["PhysicalDevice(GPU:0)"]
+    assert speed.pins_by_default(environ={}, gpus=gpu, started=False)
+    assert speed.pins_by_default(environ={speed.PIN_ENV: "1"}, gpus=gpu, started=False)
+    assert not speed.pins_by_default(environ={speed.PIN_ENV: "0"}, gpus=gpu, started=False)
+    assert not speed.pins_by_default(environ={}, gpus=[], started=False)  # nothing to pin for
+    assert not speed.pins_by_default(environ={}, gpus=gpu, started=True)  # too late, and no error
+    # This process: TensorFlow sees no GPU here (a GPU machine runs tests/test_speed.py's gpu tests).
+    if not tf.config.list_physical_devices("GPU"):
+        assert not speed.host_memory_pinned()

@@ -24,6 +24,7 @@ class SkipWatch(keras.callbacks.Callback):
     run on Keras's callback thread, so it does not hold up the next step."""
 
     async_safe = True
+    _kvram_per_execution = True  # reads running counters: one look per execution is enough
 
     def __init__(self, limit: int | None, step_state):
         super().__init__()
