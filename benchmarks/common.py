@@ -61,6 +61,10 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
             times["end"] = time.perf_counter()
 
     spe = int(model.steps_per_execution or 1)
+    if getattr(model, "_auto_steps_per_execution", False):  # kvram's "auto": what fit will take
+        from kvram.training import _execution
+
+        spe = _execution.steps_for(model, [Clock()], "train")
     steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
     model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0, callbacks=[Clock()])
     def peak_gib(device):

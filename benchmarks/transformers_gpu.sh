@@ -7,6 +7,9 @@
 #      checkpointing; ResNet50 batch 256 against torch.compile
 #   D  ViT-B/16 with keras.layers.MultiHeadAttention in kvram's model
 #   E  ViT-B/16 with kvram.speed.lean_activations
+#   G  the README's usage (kvram's defaults: import kvram's pinning, steps_per_execution
+#      "auto") on ResNet50 against torch.compile and the hand-tuned configuration
+#   H  the same on ViT-B/16
 #   F  one configuration of the GPT-2-medium-shaped decoder, named third (KerasHub;
 #      wheels in .gpu/hub: keras-hub, regex, tokenizers); its compilation takes minutes
 # Each configuration writes OUT/<bench>_<config>.json as it finishes.
@@ -31,6 +34,11 @@ B) rm -rf /tmp/dump
    ;;
 D) vit kvram_mha_nockpt_pin_spe16 kvram_mha_dots_pin_spe16 ;;
 E) vit kvram_lean_nockpt_pin_spe16 kvram_lean_dots_pin_spe16 ;;
+G) for c in torch_fp16_compile kvram_default kvram_default_fp16 kvram_fp16_pin_spe16; do
+     timeout 150 python benchmarks/resnet50/bench.py --only "$c" --out "$out/resnet50_$c.json"
+   done
+   ;;
+H) vit torch_fp16_compile kvram_default kvram_nockpt_pin_spe16 ;;
 F) python3 -c "import regex, tokenizers" 2>/dev/null || echo "regex/tokenizers from .gpu/hub"
    python3 -m pip install -q --no-index --no-deps --target /tmp/hub .gpu/hub/*.whl
    export PYTHONPATH=$PYTHONPATH:/tmp/hub

@@ -103,6 +103,10 @@ CONFIGS = {
     # strongest PyTorch recipe a user gets in one line; its compilation (the
     # first warm-up step) is reported as first_step_s and not timed
     "torch_fp16_compile": ("torch", dict(segments=0, compile=True)),
+    # the README's usage and nothing more: kvram.precision.enable("auto") (bf16 on a
+    # GPU with bf16), no checkpointing, compile() with kvram's defaults, import kvram's pinning
+    "kvram_default": ("tf", dict(policy="auto", model="kvram", jit="auto", ckpt=False, default=True)),
+    "kvram_default_fp16": ("tf", dict(policy="mixed_float16", model="kvram", jit="auto", ckpt=False, default=True)),
 }
 
 
@@ -113,6 +117,8 @@ def build_tf(settings, batch, device, image_size=224):
     import tensorflow as tf
 
     sys.path.insert(0, ROOT)
+    # import kvram pins host memory on a GPU by default: here only where a configuration says so
+    os.environ["KVRAM_PIN_HOST_MEMORY"] = "1" if settings.get("pin") or settings.get("default") else "0"
     import kvram
 
     if settings.get("pin"):
@@ -130,11 +136,14 @@ def build_tf(settings, batch, device, image_size=224):
             )
         if settings.get("fused_bn"):
             kvram.speed.fuse_batch_norm(model)
+        # "default": the README's usage, kvram's defaults (XLA on a GPU, steps_per_execution "auto")
+        tuning = {} if settings.get("default") else dict(
+            jit_compile=settings["jit"], steps_per_execution=settings.get("spe", 1)
+        )
         model.compile(
             optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
             loss="sparse_categorical_crossentropy",
-            jit_compile=settings["jit"],
-            steps_per_execution=settings.get("spe", 1),
+            **tuning,
         )
         x = tf.random.uniform((batch, *shape))
         y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
@@ -152,6 +161,9 @@ def run_tf(settings, batch, steps, warmup, device):
         "timed_steps": timed["steps"],
         "settings": settings,
         "img_per_s": batch * timed["steps"] / timed["seconds"],
+        "steps_per_execution": int(model.steps_per_execution),
+        "host_memory_pinned": __import__("kvram").speed.host_memory_pinned(),
+        "dtype_policy": keras.config.dtype_policy().name,
         "peak_gib": timed["peak_gib"][device],
         "final_loss": timed["loss"],
         "skipped_steps": getattr(model, "skipped_steps", None),
