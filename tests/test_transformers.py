@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from kvram import remat
-from tests.helpers import max_rel_diff, one_op_order, run_with_peak
+from tests.helpers import in_own_process, max_rel_diff, one_op_order, run_with_peak
 
 SEQUENCE, BATCH, VOCAB = 256, 8, 512
 
@@ -108,8 +108,12 @@ def test_blocks_are_segments_and_the_mask_is_carried_beside_them(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_planned_transformer_equals_the_model_halves_the_peak_and_holds_a_budget(name):
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.own_process) for n in sorted(MODELS)])
+def test_planned_transformer_equals_the_model_halves_the_peak_and_holds_a_budget(name, request):
+    # In the suite's process the profile read what earlier tests left running too (Gemma: 5 runs
+    # predicted at 73.5 MiB, 0.55x plain, where alone 3 runs are predicted at 42.5): its own process.
+    if in_own_process(request):
+        return
     keras.utils.set_random_seed(0)
     model = MODELS[name]()
     x, y = _batch(name)

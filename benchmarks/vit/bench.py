@@ -87,6 +87,16 @@ CONFIGS = {
         "tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False, spe=16, pin=True,
                    xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true")
     ),
+    # XLA's cuDNN fused attention rewrite, on Keras's MultiHeadAttention (its plain
+    # softmax(QK^T)V graph is what the rewrite matches); and XLA's CUDA command buffers off
+    "kvram_mha_nockpt_pin_spe16_fmha": (
+        "tf", dict(policy="mixed_bfloat16", attention="keras", kvram_data=True, checkpoint=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_cudnn_fmha=true")
+    ),
+    "kvram_nockpt_pin_spe16_nocmdbuf": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_command_buffer=")
+    ),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),
