@@ -33,8 +33,13 @@ def run_with_peak(step, *args, warm: bool = False, repeat: int = 1):
     allocated before it. warm=True runs it once before, as in a training loop
     after its first step (the runtime's one-time allocations then stay out);
     repeat=n measures n calls, the highest of them (the order the executor
-    runs independent ops in varies from call to call)."""
+    runs independent ops in varies from call to call); under one_op_order()
+    the order does not vary and one call is measured (kvram.remat's
+    peak_steps: the same peak, to the byte, call after call)."""
     import kvram
+    from kvram.remat._profile import peak_steps
+
+    repeat = min(repeat, peak_steps())
 
     step.get_concrete_function(*args)
     if warm:

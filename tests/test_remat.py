@@ -674,3 +674,12 @@ def test_planning_leaves_the_model_and_its_optimizer_bit_identical():
     least.check(((0, 1),))
     for a, b in zip(before, state()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_peaks_are_one_step_in_one_op_order_and_the_highest_of_three_otherwise():
+    from kvram.remat._profile import peak_steps
+
+    assert peak_steps() == 3  # the default executor: the order, and the peak, vary
+    with one_op_order():
+        assert peak_steps() == 1
+    assert peak_steps() == 3

@@ -12,7 +12,7 @@ import tensorflow as tf
 from keras import tree
 
 from kvram import memory
-from kvram.remat._profile import _PROFILE_STEPS
+from kvram.remat._profile import peak_steps
 from kvram.remat._segments import _groups, rebuild
 
 
@@ -133,7 +133,7 @@ def _step_peak_or_raise(model, x, y, loss_fn, device, jit) -> int:
     del gradients
     memory.reset_peak(device)
     start = memory.current_bytes(device)
-    for _ in range(1 if jit else _PROFILE_STEPS):
+    for _ in range(1 if jit else peak_steps()):
         gradients = None  # the previous step's are not held during the next
         gradients = step(x, y)
     peak = memory.peak_bytes(device) - start

@@ -111,7 +111,7 @@ def _profile_steps(model, chain, x, y, loss_fn, device):
     # from step to step: the peaks are the highest of several steps, as the
     # memory a training run needs is its highest step's.
     # What segments keep is steadier: its median is taken.
-    runs = [_probe_run(step, records, device, len(chain)) for _ in range(_PROFILE_STEPS)]
+    runs = [_probe_run(step, records, device, len(chain)) for _ in range(peak_steps())]
     kept, need, recompute, transient, heads = (list(zip(*field)) for field in zip(*runs))
     kept = tuple(int(np.median(values)) for values in kept)
     need, transient = (tuple(max(values) for values in field) for field in (need, transient))
@@ -134,6 +134,18 @@ def _profile_steps(model, chain, x, y, loss_fn, device):
 
 
 _PROFILE_STEPS = 3
+
+
+def peak_steps() -> int:
+    """How many steps a peak is the highest of: _PROFILE_STEPS on TensorFlow's default executor,
+    whose order of independent ops (and so the peak) varies from step to step; one where this
+    thread's `tf.function`s run on the single-threaded executor (one op order: EfficientNetB0's
+    and MobileNetV3Small's training steps on the CPU peaked at the same byte six steps in a row,
+    227.42 and 127.21 MiB, where on the default executor they moved by up to 0.5 MiB)."""
+    from tensorflow.python.eager import context
+
+    executor = context.context().function_call_options.executor_type
+    return 1 if executor == "SINGLE_THREADED_EXECUTOR" else _PROFILE_STEPS
 
 
 def _probe_run(step, records, device, n):
