@@ -149,7 +149,8 @@ def write_image_shards(
         min_side: shorter sides below this are skipped.
         max_pixels: larger images are skipped (default: Pillow's
             `Image.MAX_IMAGE_PIXELS`, its decompression-bomb limit).
-        checksum, overwrite: as for `write_shards`.
+        checksum: as for `write_shards`.
+        overwrite: as for `write_shards`.
         verbose: 0 or 1: progress bar and summary.
         encoded: store each image, resized and cropped as above, as JPEG bytes
             of `quality` (field "jpeg", numpy fixed-width bytes as wide as the

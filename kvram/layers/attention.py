@@ -35,8 +35,10 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
     `return_attention_scores=True` is not supported (there are no full scores).
 
     Args:
-        num_heads, key_dim, ...: as `keras.layers.MultiHeadAttention`.
+        num_heads: as `keras.layers.MultiHeadAttention`.
+        key_dim: as `keras.layers.MultiHeadAttention`.
         chunk_size: int >= 1, keys per chunk.
+        **kwargs: the other arguments of `keras.layers.MultiHeadAttention`.
     """
 
     def __init__(self, num_heads, key_dim, chunk_size: int = 512, **kwargs):
