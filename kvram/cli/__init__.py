@@ -17,6 +17,7 @@ from kvram.cli._demo import run_demo
 from kvram.cli._plan import _plan
 from kvram.cli._shards import _shards_inspect, _shards_write, _shards_write_images
 from kvram.parallel import _launch as launching
+from kvram.remat import parse_bytes
 
 
 __all__ = ["main"]
@@ -77,6 +78,7 @@ def _demo(args) -> int:
         blocks=args.blocks,
         width=args.width,
         samples=args.samples,
+        gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
         json_path=args.json,
     )
     return 0
@@ -131,11 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_info)
     demo = sub.add_parser("demo", help="train a model plain vs kvram and compare")
     demo.add_argument("--device", default=None, help="CPU:0 or GPU:0 (default: GPU:0 if any)")
-    demo.add_argument("--epochs", type=_positive, default=3)
-    demo.add_argument("--batch-size", type=_positive, default=512)
+    demo.add_argument("--epochs", type=_positive, default=None, help="default: 3 on the CPU, 2 on a GPU")
+    demo.add_argument("--batch-size", type=_positive, default=None, help="default: 512 on the CPU, 16384 on a GPU")
     demo.add_argument("--blocks", type=_positive, default=12)
-    demo.add_argument("--width", type=_positive, default=256)
-    demo.add_argument("--samples", type=_positive, default=8192)
+    demo.add_argument("--width", type=_positive, default=None, help="default: 256 on the CPU, 1024 on a GPU")
+    demo.add_argument("--samples", type=_positive, default=None, help="default: 8192 on the CPU, 8 batches on a GPU")
+    demo.add_argument("--gpu-memory", default=None,
+                      help="on a GPU, the memory it is limited to (default 4GiB): plain Keras runs out of it")
     demo.add_argument("--json", default=None, help="also write the results to this JSON file")
     demo.set_defaults(func=_demo)
     planner = sub.add_parser(

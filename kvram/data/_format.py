@@ -25,9 +25,11 @@ import tensorflow as tf
 
 
 FORMAT = "kvram-shards"
+"""The `format` field of a shard directory's index.json: what marks a directory as kvram's."""
 
 
 VERSION = 1
+"""The `version` field of the index.json kvram writes; kvram reads this version only."""
 
 
 INDEX = "index.json"
