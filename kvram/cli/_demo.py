@@ -212,7 +212,7 @@ def summary(result: dict) -> str:
             f"{p['peak_mib']:.1f} MiB) at {result['time_ratio']:.2f}x its step time: ")
     if limit:
         return text + "plain Keras fit within the limit too; raise --batch-size to see it run out."
-    return text + (f"under a memory limit between the two, only kvram trains (a GPU shows it: kvram demo "
+    return text + ("under a memory limit between the two, only kvram trains (a GPU shows it: kvram demo "
                    "limits the GPU and runs plain Keras out of memory).")
 
 
