@@ -19,6 +19,7 @@ import os
 import sys
 
 VERBOSE_FLAG = "--verbose"
+QUIETED = "KVRAM_QUIETED_TF"  # set to "1" where kvram set TF_CPP_MIN_LOG_LEVEL itself
 
 
 def launched_as_command(argv: list[str] | None = None) -> bool:
@@ -28,7 +29,7 @@ def launched_as_command(argv: list[str] | None = None) -> bool:
     if not argv:
         return False
     first = os.path.basename(argv[0])
-    return first in ("kvram", "kvram.exe", "-m")
+    return first in ("kvram", "kvram.exe", "-m") or argv[0].endswith(os.path.join("kvram", "__main__.py"))
 
 
 def wanted(argv: list[str] | None = None, environ=None) -> bool:
@@ -36,10 +37,13 @@ def wanted(argv: list[str] | None = None, environ=None) -> bool:
     with TF_CPP_MIN_LOG_LEVEL not set by the user, before TensorFlow is imported."""
     argv = sys.argv if argv is None else argv
     environ = os.environ if environ is None else environ
+    # A level set by a quieted `kvram` (QUIETED) is not the user's: its child processes
+    # (kvram plan's) are quieted too.
+    user_level = "TF_CPP_MIN_LOG_LEVEL" in environ and environ.get(QUIETED) != "1"
     return (
         launched_as_command(argv)
         and VERBOSE_FLAG not in argv[1:]
-        and "TF_CPP_MIN_LOG_LEVEL" not in environ
+        and not user_level
         and "tensorflow" not in sys.modules
     )
 
@@ -72,6 +76,7 @@ def import_tensorflow_quietly() -> None:
     if not wanted():
         return
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    os.environ[QUIETED] = "1"
     with stderr_silenced():
         import keras  # noqa: F401
         import tensorflow as tf

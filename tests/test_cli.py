@@ -239,6 +239,8 @@ def test_quieting_is_for_the_command_alone():
         assert _quiet.wanted(["/venv/bin/kvram", "info"], bare)
         assert not _quiet.wanted(["/venv/bin/kvram", "info", "--verbose"], bare)
         assert not _quiet.wanted(["/venv/bin/kvram", "info"], {"TF_CPP_MIN_LOG_LEVEL": "0"})
+        # kvram plan's child: the level its quieted parent set is not the user's
+        assert _quiet.wanted(["-m", "plan"], {"TF_CPP_MIN_LOG_LEVEL": "3", _quiet.QUIETED: "1"})
         assert not _quiet.wanted(["python", "train.py"], bare)
     finally:
         sys.modules["tensorflow"] = real
