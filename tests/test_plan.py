@@ -455,14 +455,3 @@ def test_least_out_of_memory_says_nothing_fits(monkeypatch):
     x = np.random.default_rng(0).random((16, 32, 32, 3)).astype("float32")
     with pytest.raises(ValueError, match="least-memory choice .* ran out of the device's memory .* nothing fits"):
         remat.plan(small_model(), (x, np.arange(16) % 10))
-
-
-def test_a_limited_gpu_holds_at_least_the_memory_planned_for():
-    import importlib
-
-    plan_cli = importlib.import_module("kvram.cli._plan")
-    for text in ("8GB", "12GB", "7.5GiB", "16GiB", "24GB"):
-        wanted = remat.parse_bytes(text)
-        mib = plan_cli.limit_mib(wanted)
-        # at least the memory asked for (so the estimate checks at the batch's own rows), less than 1 MiB more
-        assert wanted <= mib * 2**20 < wanted + 2**20, (text, mib)

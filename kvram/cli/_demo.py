@@ -118,7 +118,7 @@ def limit_gpu(memory_bytes: int) -> bool:
     if not gpus or context.context()._initialized:
         return False
     tf.config.set_logical_device_configuration(
-        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=-(-memory_bytes // 2**20))]
+        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_bytes // 2**20)]
     )
     return True
 

@@ -109,14 +109,6 @@ def _plan(args) -> int:
     return code
 
 
-def limit_mib(memory_bytes: int) -> int:
-    """The logical GPU's size in MiB (what TensorFlow takes) for `memory_bytes`, rounded up: rounded
-    down, "--gpu-memory 8GB" (8e9 bytes) made a device of 7,999,586,304 bytes, less than the memory
-    planned for, and the estimate then checked each configuration at the probe batches (three XLA
-    compiles of ResNet50, 35 s each on an H200) instead of once at its own rows."""
-    return -(-memory_bytes // 2**20)
-
-
 def _limit_gpu(memory_bytes: int) -> None:
     """Makes the first GPU a logical device of `memory_bytes` (TensorFlow then
     allocates no more on it), before TensorFlow starts using it."""
@@ -125,7 +117,7 @@ def _limit_gpu(memory_bytes: int) -> None:
         raise SystemExit("kvram plan: --limit-gpu: TensorFlow sees no GPU")
     try:
         tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mib(memory_bytes))])
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_bytes // 2**20)])
     except RuntimeError as error:  # the GPU was initialized already
         raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
 
