@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from kvram import memory, precision
+from kvram.cli._plan import limit_gpu
 from kvram.layers import Checkpoint
 from kvram.training import Model
 
@@ -109,20 +110,6 @@ def _train(checkpoint: bool, policy: str, device: str, data, args, print_fn) -> 
     }
 
 
-def limit_gpu(memory_bytes: int) -> bool:
-    """Makes GPU:0 a logical GPU of `memory_bytes` (before TensorFlow's runtime starts); False where
-    there is no GPU or the runtime has started (the limit then cannot be set)."""
-    from tensorflow.python.eager import context
-
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus or context.context()._initialized:
-        return False
-    tf.config.set_logical_device_configuration(
-        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_bytes // 2**20)]
-    )
-    return True
-
-
 def run_demo(
     device: str | None = None,
     *,
@@ -156,7 +143,12 @@ def run_demo(
     width = width or defaults["width"]
     samples = samples or max(defaults["samples"], 4 * batch_size)
     gpu_memory = gpu_memory or defaults["gpu_memory"]
-    limited = bool(on_gpu and gpu_memory and limit_gpu(gpu_memory))
+    limited = False
+    if on_gpu and gpu_memory:
+        try:
+            limited = limit_gpu(gpu_memory)
+        except RuntimeError:  # TensorFlow's runtime has started: the GPU runs unlimited
+            pass
     device = memory._device_name(device)
     policy = precision.auto_policy() if on_gpu else "float32"
     args = dict(

@@ -70,7 +70,11 @@ def _plan(args) -> int:
     if args.isolate == "always" or (args.isolate == "auto" and _launch.visible_gpus()):
         return _plan_in_child(args)
     if args.limit_gpu:
-        _limit_gpu(memory_bytes)
+        try:
+            if not limit_gpu(memory_bytes):
+                raise SystemExit("kvram plan: --limit-gpu: TensorFlow sees no GPU")
+        except RuntimeError as error:  # the GPU was initialized already
+            raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
     shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
     build = _model_builder(args.model, shape, args.classes)
     try:
@@ -109,17 +113,18 @@ def _plan(args) -> int:
     return code
 
 
-def _limit_gpu(memory_bytes: int) -> None:
+def limit_gpu(memory_bytes: int) -> bool:
     """Makes the first GPU a logical device of `memory_bytes` (TensorFlow then
-    allocates no more on it), before TensorFlow starts using it."""
+    allocates no more on it), before TensorFlow starts using it. False where
+    TensorFlow sees no GPU; TensorFlow's RuntimeError where its runtime has
+    started (the device can no longer change). `kvram plan --limit-gpu` and
+    `kvram demo` use it."""
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
-        raise SystemExit("kvram plan: --limit-gpu: TensorFlow sees no GPU")
-    try:
-        tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_bytes // 2**20)])
-    except RuntimeError as error:  # the GPU was initialized already
-        raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
+        return False
+    tf.config.set_logical_device_configuration(
+        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_bytes // 2**20)])
+    return True
 
 
 def _kept_checks(path: str):
