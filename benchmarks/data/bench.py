@@ -77,7 +77,7 @@ def io(args):
 
     directory = args.dir or os.path.join(tempfile.gettempdir(), "kvram-io-bench")
     index = os.path.join(directory, "index.json")
-    if not os.path.exists(index) or '"sha256": null' in open(index).read():
+    if not os.path.exists(index) or '"sha256": null' in open(index).read() or '"chunks"' not in open(index).read():
         make_shards(directory, args.gib, args.row_kib)
     data = ShardedDataset(directory, verify_on_read=False)
     nbytes, batch = data.nbytes, args.batch
@@ -96,20 +96,33 @@ def io(args):
         for start in range(0, rows, batch):
             consume(data.read(start, min(start + batch, rows), [field])[field])
 
-    def kvram_pipeline(shuffle, verify=True, reads=1, read="pread"):
-        """With `verify`, a fresh dataset each round, and every shard's checksum (XXH3-128)
-        checked on its first read (this process forgets earlier checks first): a first
-        epoch, the check's worst case. Unchecked, one dataset read again each round, as
-        epochs are, and as `raw` reads one ShardedDataset's memmaps every round (its
-        first round maps the pages: 1.8 s for 1 GiB on the 2-core VM, then 0.06 s)."""
-        made = []
+    def files_directory():
+        """The same shards under an index without chunk digests (as written before
+        them: each file checked whole on its first read), by hard links."""
+        old = directory.rstrip("/") + "-files"
+        if not os.path.exists(os.path.join(old, "index.json")):
+            os.makedirs(old, exist_ok=True)
+            index = json.load(open(os.path.join(directory, "index.json")))
+            for shard in index["shards"]:
+                for info in shard["files"].values():
+                    info.pop("chunks", None)
+                    if not os.path.exists(os.path.join(old, info["name"])):
+                        os.link(os.path.join(directory, info["name"]), os.path.join(old, info["name"]))
+            json.dump(index, open(os.path.join(old, "index.json"), "w"))
+        return old
+
+    def kvram_pipeline(shuffle, verify=True, reads=1, read="pread", threads=None, where=None):
+        """A fresh dataset and pipeline each round, checked and unchecked alike, so
+        that `verify_cost` compares the same work but the check. With `verify`, every
+        byte is checked on its first read (this process forgets earlier checks first):
+        a first epoch, the check's worst case. (`raw` reads one ShardedDataset's
+        memmaps every round: its first round maps the pages, 1.8 s for 1 GiB on the
+        2-core VM, then 0.06 s.)"""
 
         def run():
-            if verify or not made:
-                _verify.forget_checked()
-                fresh = ShardedDataset(directory, verify_on_read=verify)
-                made[:] = [fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0, num_parallel_reads=reads, read=read)]
-            for item in made[0]:
+            _verify.forget_checked()
+            fresh = ShardedDataset(where() if where else directory, verify_on_read=verify, verify_threads=threads)
+            for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0, num_parallel_reads=reads, read=read):
                 consume(item)
         return run
 
@@ -150,6 +163,12 @@ def io(args):
         "kvram_unverified": kvram_pipeline(False, verify=False),
         "kvram_shuffled": kvram_pipeline(True),
         "kvram_shuffled_unverified": kvram_pipeline(True, verify=False),
+        "kvram_inline": kvram_pipeline(False, threads=0),
+        "kvram_shuffled_inline": kvram_pipeline(True, threads=0),
+        "kvram_files": kvram_pipeline(False, where=files_directory),
+        "kvram_shuffled_files": kvram_pipeline(True, where=files_directory),
+        "kvram_autotune": kvram_pipeline(False, reads=-1),
+        "kvram_shuffled_autotune": kvram_pipeline(True, reads=-1),
         "kvram_unverified_autotune": kvram_pipeline(False, verify=False, reads=-1),
         "kvram_shuffled_unverified_autotune": kvram_pipeline(True, verify=False, reads=-1),
         "kvram_unverified_memmap": kvram_pipeline(False, verify=False, read="memmap"),
@@ -185,11 +204,13 @@ def io(args):
     if raw_rate:
         for record in results.values():
             record["fraction_of_raw"] = record["gb_per_s"] / raw_rate
-    for name in ("kvram", "kvram_shuffled"):
-        if name in results and f"{name}_unverified" in results:
-            results[name]["verify_cost"] = 1 - (
-                results[name]["gb_per_s"] / results[f"{name}_unverified"]["gb_per_s"]
-            )
+    for name in results:
+        if not name.startswith("kvram") or "unverified" in name:
+            continue
+        base = "kvram_shuffled" if name.startswith("kvram_shuffled") else "kvram"
+        unverified = base + "_unverified" + ("_autotune" if "autotune" in name else "")
+        if name in results and unverified in results:
+            results[name]["verify_cost"] = 1 - results[name]["gb_per_s"] / results[unverified]["gb_per_s"]
     return {"bytes": nbytes, "rows": rows, "repeat": args.repeat, "row_bytes": int(np.prod(width)) * 4, "batch": batch,
             "page_cache_evicted_before_each": not args.cached, "directory": directory,
             "results": results}
