@@ -1,6 +1,5 @@
 import json
 import os
-import time
 import subprocess
 import sys
 import textwrap
@@ -169,7 +168,7 @@ def test_two_writers_and_a_killed_writer(tmp_path):
             "each other's shards: wait for it to finish, or write to another directory. "
             f"Received: directory={str(target)!r}"
         )
-        assert sorted(os.listdir(tmp_path / partial)) == [".writing", "x-00000.chunks.npy", "x-00000.npy", "x-00001.chunks.npy", "x-00001.npy"]
+        assert sorted(os.listdir(tmp_path / partial)) == [".writing", "x-00000.npy", "x-00001.npy"]
     finally:
         process.kill()
         process.wait()
@@ -177,7 +176,7 @@ def test_two_writers_and_a_killed_writer(tmp_path):
     assert os.listdir(tmp_path) == [partial]  # its shards are left until the next write
     write_shards(np.ones((10, 4), "float32"), target, verbose=0)
     assert os.listdir(tmp_path) == ["data"] and len(ShardedDataset(target)) == 10
-    assert sorted(os.listdir(target)) == ["index.json", "x-00000.chunks.npy", "x-00000.npy"]
+    assert sorted(os.listdir(target)) == ["index.json", "x-00000.npy"]
 
 
 def test_a_dead_writers_directory_without_a_lock_is_removed_once_stale(tmp_path):
@@ -313,23 +312,11 @@ def _flip_a_byte(path, offset_from_end=1000):
         handle.write(bytes([byte[0] ^ 0x40]))
 
 
-def _without_chunk_digests(directory):
-    """Makes `directory`'s index one written before chunk digests (whole-file checks)."""
-    index = _index(directory)
-    for shard in index["shards"]:
-        for info in shard["files"].values():
-            os.remove(os.path.join(directory, info.pop("chunks")["name"]))
-    _save_index(directory, index)
-
-
 @pytest.mark.parametrize("threads", [0, 2])
 @pytest.mark.parametrize("shuffle", [False, True])
-@pytest.mark.parametrize("chunks", [True, False], ids=["chunk_digests", "an_old_index"])
-def test_a_flipped_byte_is_an_error_before_any_of_its_samples_is_read(shards, threads, shuffle, chunks):
+def test_a_flipped_byte_is_an_error_before_any_of_its_samples_is_read(shards, threads, shuffle):
     path = os.path.join(shards.directory, "x-00002.npy")  # samples 600 to 899
     _flip_a_byte(path)
-    if not chunks:
-        _without_chunk_digests(shards.directory)
     kvram.data._verify.forget_checked()
     dataset = ShardedDataset(shards.directory, verify_threads=threads)
     seen = []
@@ -337,57 +324,13 @@ def test_a_flipped_byte_is_an_error_before_any_of_its_samples_is_read(shards, th
         for _, y, _ in dataset.to_tf_dataset(50, shuffle=shuffle, seed=1):
             seen.extend(y.numpy().tolist())
     text = str(error.value)
-    assert "ShardError" in text and path in text
-    if chunks:  # x's rows are 24 bytes: one chunk (4096 rows or fewer) holds the whole shard
-        assert "checksum mismatch: XXH3-64 " in text and "of samples 600 to 899 (chunk 0 of shard 2)" in text
-    else:
-        assert "checksum mismatch: XXH3-128 " in text and "Samples 600 to 899 (shard 2)" in text
+    assert "ShardError" in text and path in text and "Samples 600 to 899 (shard 2)" in text
+    assert "checksum mismatch: XXH3-128 " in text
     assert not any(600 <= i < 900 for i in seen), "a sample of the corrupt shard was handed out"
     # Every read after the first error fails too, also of intact shards.
     with pytest.raises(ShardError, match="checksum mismatch") as again:
         dataset.read(0, 10)
     assert again.value.path == path
-
-
-@pytest.mark.parametrize("threads", [0, 1])
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_a_read_checks_the_chunks_it_reads_and_no_sample_of_a_corrupt_chunk_is_read(tmp_path, shuffle, threads):
-    """Rows of 16 KiB: 4 rows a chunk (64 KiB). A byte flipped in sample 101
-    (shard 1, its chunk of samples 100 to 103) stops the read that reaches that
-    chunk, or, with a thread checking ahead, the read after the thread found it;
-    without threads, samples of other chunks of the shard are read before it."""
-    x = np.random.default_rng(0).standard_normal((256, 4096)).astype("float32")
-    data = write_shards((x, np.arange(256)), tmp_path / "s", samples_per_shard=64, verbose=0)
-    assert _index(data.directory)["shards"][1]["files"]["x"]["chunks"]["rows"] == 4
-    path = os.path.join(data.directory, "x-00001.npy")
-    _flip_a_byte(path, offset_from_end=(128 - 101) * 16384 - 8)  # a byte of sample 101 (row 37 of shard 1)
-    kvram.data._verify.forget_checked()
-    seen = []
-    with pytest.raises(ShardError, match=r"x-00001.npy: checksum mismatch: XXH3-64 [0-9a-f]{16} of samples "
-                       r"100 to 103 \(chunk 9 of shard 1\), x-00001.chunks.npy says [0-9a-f]{16}\. Those "
-                       r"samples are corrupt and were not read\."):
-        with kvram.data.raise_shard_errors():
-            dataset = ShardedDataset(data.directory, verify_threads=threads)
-            for _, y in dataset.to_tf_dataset(8, shuffle=shuffle, seed=3, num_parallel_reads=1, prefetch=0):
-                seen.extend(y.numpy().tolist())
-    assert not set(seen) & {100, 101, 102, 103}
-    if not shuffle and not threads:
-        assert set(range(64, 96)) <= set(seen), "samples of shard 1 before the corrupt chunk are read"
-
-
-def test_a_corrupt_chunk_digest_file_is_an_error_naming_it(shards):
-    index = _index(shards.directory)
-    digests = os.path.join(shards.directory, index["shards"][1]["files"]["y"]["chunks"]["name"])
-    _flip_a_byte(digests, offset_from_end=2)
-    kvram.data._verify.forget_checked()
-    with pytest.raises(ShardError, match=r"y-00001.chunks.npy: checksum mismatch: XXH3-128 [0-9a-f]{32}, "
-                       r"index.json says [0-9a-f]{32}: the chunk digests of samples 300 to 599 \(shard 1\) "
-                       r"are corrupt\."):
-        with kvram.data.raise_shard_errors():
-            epoch(ShardedDataset(shards.directory).to_tf_dataset(100, shuffle=False))
-    os.remove(digests)
-    with pytest.raises(ShardError, match=r"y-00001.chunks.npy: missing \(listed in the index as chunk digests\)"):
-        ShardedDataset(shards.directory)
 
 
 def test_a_flipped_byte_stops_fit(shards, tmp_path):
@@ -399,7 +342,7 @@ def test_a_flipped_byte_stops_fit(shards, tmp_path):
     inputs = keras.Input((4,))
     model = kvram.Model(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ShardError, match=r"x-00003.npy: checksum mismatch.*of samples 300 to 399"):
+    with pytest.raises(ShardError, match=r"x-00003.npy: checksum mismatch.*Samples 300 to 399"):
         model.fit(ShardedDataset(data.directory).to_tf_dataset(100, shuffle=False), verbose=0)
 
 
@@ -416,66 +359,18 @@ def test_the_opt_out_reads_the_bytes_as_they_are(shards):
         ShardedDataset(shards.directory).read(850, 900)
 
 
-def test_each_chunk_is_hashed_once_per_process(shards, monkeypatch):
-    import xxhash
-
-    kvram.data._verify.forget_checked()
-    calls = []
-    real = xxhash.xxh3_64_intdigest
-    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: calls.append(len(data)) or real(data))
-    # One reader and no thread checking ahead: two reaching an unchecked chunk at once may both hash it.
-    dataset = ShardedDataset(shards.directory, verify_threads=0)
-    for _ in range(2):  # two epochs of one dataset, then a second dataset on the same files
-        epoch(dataset.to_tf_dataset(64, shuffle=True, seed=0, num_parallel_reads=1))
-    epoch(ShardedDataset(shards.directory, verify_threads=0).to_tf_dataset(64, shuffle=False, num_parallel_reads=1))
-    files = sorted(os.path.join(shards.directory, n) for n in os.listdir(shards.directory)
-                   if n.endswith(".npy") and not n.endswith(".chunks.npy"))
-    # 4 shards x 3 fields, one chunk each (rows of 24 bytes and less), each hashed once: every byte
-    assert sorted(calls) == sorted(os.path.getsize(f) - _payload_offset(f) for f in files)
-    # A file written since is checked again.
-    np.save(files[0], np.load(files[0]))
-    calls.clear()
-    epoch(ShardedDataset(shards.directory, verify_threads=0).to_tf_dataset(64, shuffle=False, num_parallel_reads=1))
-    assert calls == [os.path.getsize(files[0]) - _payload_offset(files[0])]
-
-
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_a_thread_checks_the_chunks_of_the_next_batches_ahead_of_the_reader(tmp_path, shuffle):
-    x = np.zeros((64, 4096), "float32")  # 16 KiB rows: 4 a chunk
-    data = write_shards(x, tmp_path / "s", samples_per_shard=32, verbose=0)
-    kvram.data._verify.forget_checked()
-    dataset = ShardedDataset(data.directory, verify_threads=1)
-    batches = iter(dataset.to_tf_dataset(8, shuffle=shuffle, seed=0, num_parallel_reads=1, prefetch=0))
-    next(batches)  # one batch of 8 read: the thread checks the other 7 (64 MiB ahead allowed)
-    flags = [shard._tables["x"][1] for shard in dataset._shards if "x" in shard._tables]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (len(flags) == 2 and all(f.all() for f in flags)):
-        time.sleep(0.05)
-        flags = [shard._tables["x"][1] for shard in dataset._shards if "x" in shard._tables]
-    assert len(flags) == 2 and all(f.all() for f in flags), flags
-
-
-def _payload_offset(path):
-    with open(path, "rb") as handle:
-        np.lib.format.read_magic(handle)
-        np.lib.format.read_array_header_1_0(handle)
-        return handle.tell()
-
-
-def test_each_file_is_hashed_once_per_process_where_reads_check_whole_files(shards, monkeypatch):
-    """`read()` (and the memmap and view paths, and indexes without chunk
-    digests) check whole files, each once a process."""
-    _without_chunk_digests(shards.directory)
+def test_each_file_is_hashed_once_per_process(shards, monkeypatch):
     kvram.data._verify.forget_checked()
     calls = []
     real = kvram.data._verify.xxh3_128
     monkeypatch.setattr(kvram.data._verify, "xxh3_128", lambda path, *a: calls.append(path) or real(path, *a))
     for _ in range(2):  # two epochs of one dataset, then a second dataset on the same files
-        epoch(ShardedDataset(shards.directory).to_tf_dataset(64, shuffle=True, seed=0))
-    ShardedDataset(shards.directory).read(0, 900)
+        epoch(shards.to_tf_dataset(64, shuffle=True, seed=0))
+    epoch(ShardedDataset(shards.directory).to_tf_dataset(64, shuffle=False))
     files = sorted(os.path.join(shards.directory, n) for n in os.listdir(shards.directory) if n.endswith(".npy"))
     assert sorted(calls) == files  # 4 shards x 3 fields, each once
     # A file written since is checked again.
+    x, _, _ = arrays()
     np.save(files[0], np.load(files[0]))
     calls.clear()
     ShardedDataset(shards.directory).read(0, 1)

@@ -77,7 +77,7 @@ def io(args):
 
     directory = args.dir or os.path.join(tempfile.gettempdir(), "kvram-io-bench")
     index = os.path.join(directory, "index.json")
-    if not os.path.exists(index) or '"sha256": null' in open(index).read() or '"chunks"' not in open(index).read():
+    if not os.path.exists(index) or '"sha256": null' in open(index).read():
         make_shards(directory, args.gib, args.row_kib)
     data = ShardedDataset(directory, verify_on_read=False)
     nbytes, batch = data.nbytes, args.batch
@@ -96,22 +96,7 @@ def io(args):
         for start in range(0, rows, batch):
             consume(data.read(start, min(start + batch, rows), [field])[field])
 
-    def files_directory():
-        """The same shards under an index without chunk digests (as written before
-        them: each file checked whole on its first read), by hard links."""
-        old = directory.rstrip("/") + "-files"
-        if not os.path.exists(os.path.join(old, "index.json")):
-            os.makedirs(old, exist_ok=True)
-            index = json.load(open(os.path.join(directory, "index.json")))
-            for shard in index["shards"]:
-                for info in shard["files"].values():
-                    info.pop("chunks", None)
-                    if not os.path.exists(os.path.join(old, info["name"])):
-                        os.link(os.path.join(directory, info["name"]), os.path.join(old, info["name"]))
-            json.dump(index, open(os.path.join(old, "index.json"), "w"))
-        return old
-
-    def kvram_pipeline(shuffle, verify=True, reads=1, read="pread", threads=None, where=None):
+    def kvram_pipeline(shuffle, verify=True, reads=1, read="pread"):
         """A fresh dataset and pipeline each round, checked and unchecked alike, so
         that `verify_cost` compares the same work but the check. With `verify`, every
         byte is checked on its first read (this process forgets earlier checks first):
@@ -121,7 +106,7 @@ def io(args):
 
         def run():
             _verify.forget_checked()
-            fresh = ShardedDataset(where() if where else directory, verify_on_read=verify, verify_threads=threads)
+            fresh = ShardedDataset(directory, verify_on_read=verify)
             for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0, num_parallel_reads=reads, read=read):
                 consume(item)
         return run
@@ -163,10 +148,6 @@ def io(args):
         "kvram_unverified": kvram_pipeline(False, verify=False),
         "kvram_shuffled": kvram_pipeline(True),
         "kvram_shuffled_unverified": kvram_pipeline(True, verify=False),
-        "kvram_inline": kvram_pipeline(False, threads=0),
-        "kvram_shuffled_inline": kvram_pipeline(True, threads=0),
-        "kvram_files": kvram_pipeline(False, where=files_directory),
-        "kvram_shuffled_files": kvram_pipeline(True, where=files_directory),
         "kvram_autotune": kvram_pipeline(False, reads=-1),
         "kvram_shuffled_autotune": kvram_pipeline(True, reads=-1),
         "kvram_unverified_autotune": kvram_pipeline(False, verify=False, reads=-1),
@@ -208,8 +189,8 @@ def io(args):
         if not name.startswith("kvram") or "unverified" in name:
             continue
         base = "kvram_shuffled" if name.startswith("kvram_shuffled") else "kvram"
-        unverified = base + "_unverified" + ("_autotune" if "autotune" in name else "")
-        if name in results and unverified in results:
+        unverified = base + "_unverified" + name[len(base):]  # kvram_view: kvram_unverified_view
+        if unverified in results:
             results[name]["verify_cost"] = 1 - results[name]["gb_per_s"] / results[unverified]["gb_per_s"]
     return {"bytes": nbytes, "rows": rows, "repeat": args.repeat, "row_bytes": int(np.prod(width)) * 4, "batch": batch,
             "page_cache_evicted_before_each": not args.cached, "directory": directory,

@@ -7,14 +7,13 @@ import functools
 import json
 import math
 import os
-import threading
 import warnings
 
 import numpy as np
 import tensorflow as tf
 
 from kvram import _checks
-from kvram.data import _chunks, _shard, _verify, _view
+from kvram.data import _shard, _verify, _view
 from kvram.data._format import INDEX, ShardError
 
 
@@ -27,19 +26,14 @@ class ShardedDataset:
     as the index says, C order, and its size on disk (a truncated file fails
     here, not in the middle of an epoch). Errors are `ShardError`s naming the file.
 
-    Reading checks what it reads against the checksums stored with the shards
-    (`verify_on_read=True`), so a flipped byte is an error naming the file and
-    its samples, never data trained on. `to_tf_dataset` (its default
-    `read="pread"`) checks each chunk of a file (`_verify.CHUNK_BYTES`, 64 KiB
-    or more) the first time this process reads it, hashing (XXH3-64) the
-    bytes it has just read, still in the CPU's cache: a shuffled epoch checks
-    only what it reads, as it reads it. The other reads (`read()`, "memmap",
-    "view", and directories written before chunk digests) check whole files
-    (XXH3-128, or SHA-256 where the index has no XXH3) on their first read,
-    background threads checking the shards the reader needs next; nothing is
-    handed out before its check has passed. Each chunk or file is checked
-    once per process (again only if it changed on disk); later epochs cost
-    nothing. Measured cost:
+    Reading checks each shard's files against the checksum stored in the index
+    (XXH3-128, or SHA-256 for directories written without it) the first time
+    this process reads that shard (`verify_on_read=True`), so a
+    flipped byte is an error naming the file and its samples, never data
+    trained on. Background threads check the shards the reader needs next, a
+    few ahead of it, while it reads; a shard is never handed out before its
+    check has passed. Each file is hashed once per process (again only if it
+    changed on disk); later epochs cost nothing. Measured cost:
     `benchmarks/README.md` (data). Files written with `checksum=False` have
     no checksum to compare and are read unchecked (a warning says so).
 
@@ -85,10 +79,6 @@ class ShardedDataset:
         self.fields = _shard.check_index(index, index_path)
         self._shards = _shard.check_shards(self.directory, self.fields, index, index_path)
         self._starts = np.array([s.start for s in self._shards] + [len(self)], dtype=np.int64)
-        # every shard has chunk digests (indexes written before them have none)
-        self._chunked = bool(self._shards) and all(s.chunks for s in self._shards)
-        self._chunk_checker = None
-        self._chunk_checker_lock = threading.Lock()
         self._verifier = None
         if self.verify_on_read:
             unchecked = sum(
@@ -199,29 +189,6 @@ class ShardedDataset:
             at += rows
             position = local_stop
             shard_number += 1
-
-    def _check_chunks_ahead(self, start: int, stop: int, names, scratch) -> None:
-        """Checks, from the files, the chunks of samples [start, stop) of each
-        field in `names` (`Shard.check_chunks_ahead`)."""
-        shard_number = self._shard_number(start)
-        position = start
-        while position < stop:
-            shard = self._shards[shard_number]
-            local_stop = min(stop, shard.start + shard.samples)
-            for name in names:
-                shard.check_chunks_ahead(name, position - shard.start, local_stop - position, scratch)
-            position = local_stop
-            shard_number += 1
-
-    def _start_chunk_checks(self, names, ranges, batches) -> None:
-        """Starts (once) the threads that check the chunks of the batches the
-        reader reaches next (`_chunks.ChunkChecker`)."""
-        if self._chunk_checker is None:
-            with self._chunk_checker_lock:
-                if self._chunk_checker is None:
-                    checker = _chunks.ChunkChecker(self, names, ranges, batches, self.verify_threads)
-                    checker.start()
-                    self._chunk_checker = checker
 
     def _start_verification(self, block_starts) -> None:
         """Starts the background checks (once), in the order reads will need the
@@ -340,35 +307,22 @@ class ShardedDataset:
                     return views
             outs = {n: buffers.take((stop - start,) + self.fields[n][1], self.fields[n][0]) for n in names}
             if self._verifier is not None:
-                if self._chunked and read == "pread":
-                    # Reads check the chunks they read; threads check those of the next batches.
-                    self._start_chunk_checks(names, lambda k: ranges(int(epoch_seed), k), batches)
-                    self._chunk_checker.reached(int(number))
-                else:
-                    self._start_verification(plan(int(epoch_seed))[0][:, 0] if shuffle else None)
-            at = 0
-            for lo, hi in ranges(int(epoch_seed), int(number)):
-                self._read_into(lo, hi, outs, at)
-                at += hi - lo
-            return [outs[n] for n in names]
-
-        def ranges(epoch_seed, number):
-            """The (first, stop) sample ranges batch `number` reads, in order."""
-            start = number * batch_size
-            stop = min(start + batch_size, total)
+                self._start_verification(plan(int(epoch_seed))[0][:, 0] if shuffle else None)
             if not shuffle:
-                return [(start, stop)]
-            blocks, ends = plan(epoch_seed)
+                self._read_into(start, stop, outs, 0)
+                return [outs[n] for n in names]
+            blocks, ends = plan(int(epoch_seed))
             first = int(np.searchsorted(ends, start, side="right"))
             last = int(np.searchsorted(ends, stop - 1, side="right"))
-            out = []
+            at = 0
             for b in range(first, last + 1):
                 block_start, block_stop = blocks[b]
                 offset = ends[b] - (block_stop - block_start)  # position of the block in the order
                 lo = block_start + max(0, start - offset)
                 hi = block_start + min(block_stop - block_start, stop - offset)
-                out.append((int(lo), int(hi)))
-            return out
+                self._read_into(int(lo), int(hi), outs, at)
+                at += int(hi - lo)
+            return [outs[n] for n in names]
 
         def to_batch(epoch_seed, number):
             tensors = tf.numpy_function(read_batch, [epoch_seed, number], dtypes, stateful=False)

@@ -69,19 +69,13 @@ class BufferPool:
 
 
 class Shard:
-    def __init__(self, number: int, start: int, samples: int, paths: dict, digests: dict, offsets: dict | None = None,
-                 chunks: dict | None = None, fields: dict | None = None):
+    def __init__(self, number: int, start: int, samples: int, paths: dict, digests: dict, offsets: dict | None = None):
         self.number, self.start, self.samples, self.paths = number, start, samples, paths
-        self.fields = fields or {}  # {field: (dtype, per-sample shape)}
         self.offsets = offsets or {}  # {field: byte offset of the payload (after the .npy header)}
         self.files = [(paths[name], digests[name]) for name in paths]
-        # {field: (path of its chunk digests, rows per chunk, their file's XXH3-128)}: every
-        # field's, or none (an index written before chunk digests)
-        self.chunks = chunks or {}
         self.verifier: _verify.ShardVerifier | None = None
         self._arrays: dict | None = None
         self._handles: dict = {}
-        self._tables: dict = {}
         self._lock = threading.Lock()
 
     def _cannot_read(self, error, path):
@@ -97,17 +91,8 @@ class Shard:
         `first`... of field `name`, by `os.preadv` from the file: the kernel
         copies from the page cache into `out` with Python's GIL released, and
         no page of a memmap is faulted in."""
-        chunked = self.verifier is not None and name in self.chunks
         if self.verifier is not None:
-            if self.verifier.error is not None:
-                raise self.verifier.error
-            if not chunked:
-                self.verifier.ensure(self.number)
-        self._pread(name, first, out)
-        if chunked:
-            self._check_chunks(name, first, out)
-
-    def _pread(self, name: str, first: int, out: np.ndarray) -> None:
+            self.verifier.ensure(self.number)
         path = self.paths[name]
         handle = self._handles.get(name)
         if handle is None:
@@ -129,110 +114,6 @@ class Shard:
             if count == 0:
                 raise ShardError(path, f"ended early: shard {self.number} was truncated after the dataset was opened")
             done += count
-
-    def _chunk_table(self, name: str):
-        """(digests, checked flags, rows per chunk) of field `name`, the digests
-        read on first use and checked against the index first."""
-        table = self._tables.get(name)
-        if table is None:
-            with self._lock:
-                table = self._tables.get(name)
-                if table is None:
-                    path, rows, expected = self.chunks[name]
-                    try:
-                        actual = _verify.xxh3_128(path)
-                        digests = np.load(path, allow_pickle=False) if actual == expected else None
-                    except (OSError, ValueError) as error:
-                        raise ShardError(path, f"cannot be read as chunk digests ({error}); samples "
-                                         f"{self.start} to {self.start + self.samples - 1} (shard "
-                                         f"{self.number}) cannot be checked") from None
-                    if digests is None:
-                        raise ShardError(
-                            path, f"checksum mismatch: XXH3-128 {actual}, index.json says {expected}: the "
-                            f"chunk digests of samples {self.start} to {self.start + self.samples - 1} "
-                            f"(shard {self.number}) are corrupt. Restore the file or write the shards again.")
-                    count = -(-self.samples // rows)
-                    if digests.dtype != np.dtype("<u8") or digests.shape != (count,):
-                        raise ShardError(path, f"holds {digests.dtype} digests of shape {digests.shape}; "
-                                         f"{count} uint64 expected ({self.samples} samples, {rows} a chunk)")
-                    flags = _verify.checked_chunks(self.paths[name], expected, count)
-                    table = self._tables[name] = (digests, flags, rows)
-        return table
-
-    def _check_chunks(self, name: str, first: int, out: np.ndarray) -> None:
-        """Checks the chunks of field `name` that rows `first`... (just read into
-        `out`) lie in and no check has passed yet: a chunk the read covers from
-        what was read (in the CPU's cache), one it covers in part from the file."""
-        digests, flags, rows = self._chunk_table(name)
-        count = len(out)
-        if not count:
-            return
-        low, high = first // rows, (first + count - 1) // rows + 1
-        todo = np.flatnonzero(~flags[low:high])
-        if not todo.size:
-            return
-        row_bytes = out.nbytes // count
-        with memoryview(out).cast("B") as view:
-            for i in todo:
-                chunk = low + int(i)
-                lo, hi = chunk * rows, min(chunk * rows + rows, self.samples)
-                if lo >= first and hi <= first + count:
-                    self._check_chunk(name, chunk, view[(lo - first) * row_bytes:(hi - first) * row_bytes])
-                else:
-                    self._check_chunk(name, chunk, self._read_chunk(name, chunk, row_bytes))
-
-    def check_chunks_ahead(self, name: str, first: int, count: int, scratch: dict) -> None:
-        """Checks, from the file, the chunks of field `name` that rows
-        `first`...`first + count - 1` lie in and no check has passed yet (a
-        background thread's, ahead of the reader): their rows read in one
-        pread into `scratch` (the thread's buffers), each chunk hashed there."""
-        digests, flags, rows = self._chunk_table(name)
-        low, high = first // rows, (first + count - 1) // rows + 1
-        todo = np.flatnonzero(~flags[low:high])
-        if not todo.size:
-            return
-        dtype, shape = self.fields[name]
-        row_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        lo, hi = (low + int(todo[0])) * rows, min((low + int(todo[-1]) + 1) * rows, self.samples)
-        buffer = scratch.get(name)
-        if buffer is None or len(buffer) < (hi - lo) * row_bytes:
-            buffer = scratch[name] = np.empty((hi - lo) * row_bytes, np.uint8)
-        self._pread(name, lo, buffer[:(hi - lo) * row_bytes].reshape(hi - lo, row_bytes))
-        with memoryview(buffer).cast("B") as view:
-            for i in todo:
-                chunk = low + int(i)
-                a, b = (chunk * rows - lo) * row_bytes, (min(chunk * rows + rows, self.samples) - lo) * row_bytes
-                self._check_chunk(name, chunk, view[a:b])
-
-    def _read_chunk(self, name, chunk, row_bytes):
-        rows = self.chunks[name][1]
-        lo, hi = chunk * rows, min(chunk * rows + rows, self.samples)
-        part = np.empty((hi - lo) * row_bytes, np.uint8)
-        self._pread(name, lo, part.reshape(hi - lo, row_bytes))
-        return part
-
-    def _check_chunk(self, name: str, chunk: int, data) -> None:
-        """Compares the XXH3-64 of `data` with chunk `chunk`'s digest: marks it
-        checked, or raises (and keeps, for every later read) the `ShardError`."""
-        import xxhash
-
-        digests, flags, rows = self._tables[name]
-        actual = xxhash.xxh3_64_intdigest(data)
-        if actual == int(digests[chunk]):
-            flags[chunk] = True
-            return
-        lo, hi = chunk * rows, min(chunk * rows + rows, self.samples)
-        error = ShardError(
-            self.paths[name],
-            f"checksum mismatch: XXH3-64 {actual:016x} of samples {self.start + lo} to "
-            f"{self.start + hi - 1} (chunk {chunk} of shard {self.number}), "
-            f"{os.path.basename(self.chunks[name][0])} says {int(digests[chunk]):016x}. "
-            "Those samples are corrupt and were not read. Restore the file or write the "
-            "shards again.",
-        )
-        if self.verifier.error is None:
-            self.verifier.error = error
-        raise error
 
     def tensor(self, name: str):
         """Field `name` of this shard as a TF tensor over the memory-mapped file,
@@ -303,37 +184,17 @@ def check_shards(directory, fields, index, index_path) -> list:
         for name, info in files.items():
             paths[name], offsets[name] = check_file(directory, fields, index_path, number, name, info, samples)
         digests = {name: _read_digest(info) for name, info in files.items()}
-        chunks = {name: check_chunks(directory, index_path, number, name, info) for name, info in files.items()}
-        chunks = chunks if all(chunks.values()) and _verify.have_xxhash() else {}
-        shards.append(Shard(number, start, samples, paths, digests, offsets, chunks, fields))
+        shards.append(Shard(number, start, samples, paths, digests, offsets))
         start += samples
     if int(index.get("samples", -1)) != start:
         raise ShardError(index_path, f"'samples' says {index.get('samples')!r} but the shards hold {start}")
     return shards
 
 
-def check_chunks(directory, index_path, number, name, info):
-    """(path, rows per chunk, XXH3-128) of a shard file's chunk digests, as the
-    index lists them (None where it lists none); the file must exist."""
-    chunks = info.get("chunks") if isinstance(info, dict) else None
-    if chunks is None:
-        return None
-    try:
-        file_name, rows, digest = chunks["name"], int(chunks["rows"]), str(chunks["xxh3_128"])
-    except (KeyError, TypeError, ValueError):
-        raise ShardError(index_path, f"shard {number}, field {name!r}: 'chunks' needs 'name', 'rows' and "
-                         "'xxh3_128'") from None
-    _check_plain_name(index_path, number, name, file_name)
-    path = os.path.join(directory, file_name)
-    if rows < 1:
-        raise ShardError(index_path, f"shard {number}, field {name!r}: {rows} rows a chunk; >= 1 allowed")
-    if os.path.islink(path) or not os.path.isfile(path):
-        raise ShardError(path, "missing (listed in the index as chunk digests)" if not os.path.lexists(path)
-                         else "not a regular file (listed in the index as chunk digests)")
-    return path, rows, digest
-
-
-def _check_plain_name(index_path, number, name, file_name) -> None:
+def check_file(directory, fields, index_path, number, name, info, samples) -> tuple:
+    """(path, byte offset of the payload) of a shard file: a plain name inside
+    `directory`, a regular file whose .npy header and size match the index."""
+    file_name = info.get("name") if isinstance(info, dict) else None
     if (
         not isinstance(file_name, str)
         or not file_name
@@ -343,13 +204,6 @@ def _check_plain_name(index_path, number, name, file_name) -> None:
         or "\\" in file_name
     ):
         raise ShardError(index_path, f"shard {number}, field {name!r}: file name {file_name!r} is not a plain name inside the directory")
-
-
-def check_file(directory, fields, index_path, number, name, info, samples) -> tuple:
-    """(path, byte offset of the payload) of a shard file: a plain name inside
-    `directory`, a regular file whose .npy header and size match the index."""
-    file_name = info.get("name") if isinstance(info, dict) else None
-    _check_plain_name(index_path, number, name, file_name)
     path = os.path.join(directory, file_name)
     if os.path.islink(path):
         raise ShardError(

@@ -29,8 +29,6 @@ import mmap
 import os
 import threading
 
-import numpy as np
-
 _CHUNK = 8 * 2**20
 _NAMES = {"sha256": "SHA-256", "xxh3_128": "XXH3-128"}
 
@@ -44,7 +42,6 @@ def forget_checked() -> None:
     """Forgets which files this process has checked (for benchmarks and tests)."""
     with _checked_lock:
         _checked.clear()
-        _chunks_checked.clear()
 
 
 def sha256(path: str, progress=None) -> str:
@@ -96,50 +93,6 @@ def _digest(path: str, digests: list, progress=None) -> list:
                         if progress is not None:
                             progress(min(_CHUNK, size - offset))
     return [digest.hexdigest() for digest in digests]
-
-
-# -- per-chunk digests
-CHUNK_BYTES = 64 * 2**10
-"""A chunk's least size: its rows are the smallest power of two that hold this
-many bytes (one row where a row is larger). Reads start at multiples of a
-power of two rows within a shard (a shuffled block, a batch), so a read larger
-than a chunk covers whole chunks, hashed from what it read."""
-
-
-def chunk_rows(row_bytes: int) -> int:
-    """Rows per chunk for rows of `row_bytes` bytes (`CHUNK_BYTES`)."""
-    rows = 1
-    while rows * max(row_bytes, 1) < CHUNK_BYTES:
-        rows *= 2
-    return rows
-
-
-def chunk_digests(payload, rows: int, row_bytes: int) -> np.ndarray:
-    """The XXH3-64 of each chunk of `rows` rows of `payload` (bytes-like, the
-    file's data after its .npy header), as uint64."""
-    import xxhash
-
-    step = rows * row_bytes
-    with memoryview(payload).cast("B") as view:
-        count = -(-len(view) // step) if len(view) else 0
-        return np.array([xxhash.xxh3_64_intdigest(view[i * step:(i + 1) * step]) for i in range(count)],
-                        dtype="<u8")
-
-
-# {file key: bool array, chunk checked}: chunks checked in this process, by
-# file, shared by every dataset opened on it (`forget_checked` clears it).
-_chunks_checked: dict = {}
-
-
-def checked_chunks(path: str, digest: str, count: int) -> np.ndarray:
-    """The flags of the chunks of `path` checked in this process (a file
-    rewritten since has another key and starts unchecked)."""
-    key = _key(path, digest)
-    with _checked_lock:
-        flags = _chunks_checked.get(key)
-        if flags is None:
-            flags = _chunks_checked[key] = np.zeros(count, bool)
-        return flags
 
 
 def _key(path: str, expected: str):

@@ -209,8 +209,7 @@ def _not_ours(directory: str) -> str | None:
             index = json.load(handle)
         if not isinstance(index, dict) or index.get("format") != FORMAT:
             raise ValueError(index.get("format") if isinstance(index, dict) else None)
-        files = [f for shard in index["shards"] for f in shard["files"].values()]
-        listed = {INDEX} | {f["name"] for f in files} | {f["chunks"]["name"] for f in files if "chunks" in f}
+        listed = {INDEX} | {f["name"] for shard in index["shards"] for f in shard["files"].values()}
         if "report" in index:
             listed.add("report.json")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -329,13 +328,10 @@ def _write_into(staging, batches, total, samples_per_shard, checksum, verbose) -
         for name, array in shard.items():
             file_name = f"{name}-{len(shards):05d}.npy"
             path = os.path.join(staging, file_name)
-            array = np.ascontiguousarray(array)
-            np.save(path, array, allow_pickle=False)
+            np.save(path, np.ascontiguousarray(array), allow_pickle=False)
             files[name] = {"name": file_name, "bytes": os.path.getsize(path), "sha256": None}
             if checksum:
                 files[name].update(_verify.file_digests(path))
-                if _verify.have_xxhash():
-                    files[name]["chunks"] = _write_chunk_digests(staging, file_name, array)
         shards.append({"samples": rows, "files": files})
         written += rows
         pending = [rest] if len(next(iter(rest.values()))) else []
@@ -372,19 +368,6 @@ def _write_into(staging, batches, total, samples_per_shard, checksum, verbose) -
         "fields": spec,
         "shards": shards,
     }
-
-
-def _write_chunk_digests(staging: str, file_name: str, array: np.ndarray) -> dict:
-    """Writes the XXH3-64 of each chunk of `array`'s rows (`_verify.chunk_rows`)
-    beside its shard file, as `{file}.chunks` (a .npy of uint64), and returns
-    the index's entry for it: its name, the rows per chunk and the file's own
-    XXH3-128 (checked before its digests are used)."""
-    row_bytes = array.nbytes // max(len(array), 1)
-    rows = _verify.chunk_rows(row_bytes)
-    name = f"{file_name[:-len('.npy')]}.chunks.npy"
-    path = os.path.join(staging, name)
-    np.save(path, _verify.chunk_digests(array.reshape(-1).view(np.uint8), rows, row_bytes), allow_pickle=False)
-    return {"name": name, "rows": rows, "xxh3_128": _verify.xxh3_128(path)}
 
 
 def _check_batch(batch: dict, spec: dict) -> None:
