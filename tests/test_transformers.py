@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from kvram import remat
-from tests.helpers import in_own_process, max_rel_diff, one_op_order, run_with_peak
+from tests.helpers import in_own_process, max_rel_diff, one_op_order, usual_peak
 
 SEQUENCE, BATCH, VOCAB = 256, 8, 512
 
@@ -86,13 +86,16 @@ def _step_of(model, original, state, x, y, loss):
 def _peak(model, x, y, loss):
     variables = model.trainable_variables
 
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            value = loss(y, model(x, training=True))
-        return tape.gradient(value, variables)
+    def make_step():
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x, training=True))
+            return tape.gradient(value, variables)
 
-    return run_with_peak(step, warm=True, repeat=3)[1]
+        return step
+
+    return usual_peak(make_step, warm=True, repeat=3)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

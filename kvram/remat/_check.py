@@ -89,16 +89,44 @@ def _step_check(model, chain, x, y, loss_fn, device, jit):
     will train: XLA-compiled (`jit`; one run after the compiling one: XLA
     fixes its buffers at compile time) or on the graph executor (the highest
     of three runs: its op order varies). Results are kept by runs."""
-    done = {}
+    done, settled_done, models = {}, {}, {}
+
+    def trained(runs):
+        if runs not in models:
+            models[runs] = rebuild(model, *_groups(runs, len(chain))) if runs else model
+        return models[runs]
 
     def check(runs):
         runs = tuple(runs)
         if runs not in done:
-            trained = rebuild(model, *_groups(runs, len(chain))) if runs else model
-            done[runs] = _step_peak(trained, x, y, loss_fn, device, jit)
+            done[runs] = _step_peak(trained(runs), x, y, loss_fn, device, jit)
         return done[runs]
 
+    def settled(runs):
+        """check(runs), for the peak a plan reports. Under one op order (the
+        single-threaded executor) the lower of it and a second trace's: there
+        a trace's peak repeats to the byte, step after step, but traces of one
+        model differ, most peaking at one value and a few higher
+        (MobileNetV3Small's least-memory plan on the CPU, five traces of one
+        model: 42.0, 45.3, 42.0, 42.4, 42.0 MiB; ConvNeXtTiny's choice for a
+        budget checked at 588.4 MiB, a new trace of it measured 511.5)."""
+        runs = tuple(runs)
+        if runs not in settled_done:
+            first = check(runs)
+            settled_done[runs] = first
+            if not (jit or peak_steps() > 1 or isinstance(first, _OutOfMemory)):
+                for _ in range(_TRACES - 1):
+                    again = _step_peak(trained(runs), x, y, loss_fn, device, jit)
+                    if not isinstance(again, _OutOfMemory):
+                        settled_done[runs] = min(settled_done[runs], again)
+        return settled_done[runs]
+
+    check.settled = settled
     return check
+
+
+# Traces a plan's reported peaks are the lower of, under one op order (`settled` above).
+_TRACES = 2
 
 
 class _OutOfMemory(int):

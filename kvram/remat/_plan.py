@@ -289,8 +289,11 @@ def _plan_for(model, chain, profile, resident, budget_bytes, batch, check=None, 
         plain, least = _predict(profile, []), low
         peak_of = lambda runs: _predict(profile, list(runs))  # noqa: E731
     else:
-        plain, least = check(()), check(least_runs)
-        peak_of = check
+        # the runs reported (the least-memory ones and the choice) with the
+        # peak of a settled check (`_step_check`'s `settled`)
+        settle = getattr(check, "settled", check)
+        plain, least = check(()), settle(least_runs)
+        peak_of = settle
         if isinstance(least, _OutOfMemory):
             raise ValueError(
                 f"At batch {batch}, the least-memory choice ({len(least_runs)} recomputed run(s)) "
