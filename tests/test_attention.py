@@ -235,6 +235,7 @@ def test_dropout_equals_dense_attention_with_the_same_mask(causal, masked):
     assert max_rel_diff(results[0][0], no_drop) > 1e-2
 
 
+@pytest.mark.slow
 def test_layer_dropout_is_unbiased_and_replayed_by_checkpoint():
     keras.utils.set_random_seed(0)
     mea = MemoryEfficientAttention(2, 8, chunk_size=8, dropout=0.5, seed=1)
@@ -261,6 +262,7 @@ def test_layer_dropout_is_unbiased_and_replayed_by_checkpoint():
         assert max_rel_diff(a, b_) < 1e-5
 
 
+@pytest.mark.slow
 def test_xla_compiles_lengths_the_chunk_does_not_divide():
     mha, mea = pair(chunk_size=16)
     q, v = inputs(t=37, s=45)

@@ -132,6 +132,7 @@ def _step_peak(checkpoint, policy="full", hlo=False):
         return run_with_peak(step)[1]
 
 
+@pytest.mark.slow
 def test_peak_memory_of_checkpointed_stack():
     plain = _step_peak(checkpoint=False)
     ckpt = _step_peak(checkpoint=True)
@@ -144,6 +145,7 @@ def test_peak_memory_of_checkpointed_stack():
     assert ckpt < dots <= 0.6 * plain, (plain, ckpt, dots)
 
 
+@pytest.mark.slow
 def test_save_dots_recomputes_no_product_under_xla():
     """In XLA's optimised step, save_dots has as many dot products as the
     plain step (the products in the gradients' replay are dead and removed);

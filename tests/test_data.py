@@ -152,6 +152,7 @@ def start_writer(tmp_path, target):
     return process
 
 
+@pytest.mark.slow
 def test_two_writers_and_a_killed_writer(tmp_path):
     """A second writer to a directory being written is refused with a clear
     error; a writer killed mid-write leaves nothing under the final name, and

@@ -89,6 +89,7 @@ def _cpu_stats_in_child(code, onednn):
     return done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_import_kvram_first_gives_cpu_allocator_statistics():
     # TF's default CPU allocator keeps no statistics on CPUs without AVX-512
     # VNNI/AMX (oneDNN off by default there); `import kvram` before TF turns
@@ -104,6 +105,7 @@ def test_import_kvram_first_gives_cpu_allocator_statistics():
     assert peaks and peaks[0] >= 4 * 2**20, out[-3000:]
 
 
+@pytest.mark.slow
 def test_cpu_without_statistics_says_how_to_get_them():
     out = _cpu_stats_in_child(
         "import tensorflow as tf\n"

@@ -73,6 +73,7 @@ def test_micro_batches_over_epochs_with_a_short_last_batch():
     assert int(sliced.optimizer.iterations.numpy()) == 2 * 4
 
 
+@pytest.mark.slow
 def test_micro_batches_lower_peak_memory():
     keras.utils.set_random_seed(0)
 
@@ -148,6 +149,7 @@ def test_custom_train_step_is_refused_with_micro_batches():
         net.fit(x, y, verbose=0)
 
 
+@pytest.mark.slow
 def test_fixed_micro_batches_compile_the_whole_step_with_xla():
     """With jit_compile, the loop over slices, the sums and the update are one XLA
     computation per batch shape (a short last batch is a second one), with the

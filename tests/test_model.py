@@ -323,6 +323,7 @@ def test_auto_runs_sixteen_batches_a_call_and_trains_the_same():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_auto_runs_one_batch_a_call_for_a_callback_that_sees_every_batch():
     watcher = _EveryBatch()
     net = _fitted(callbacks=[watcher])

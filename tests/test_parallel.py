@@ -142,6 +142,7 @@ def _all_operations(graph, seen=None):
             yield from _all_operations(function.graph, seen)
 
 
+@pytest.mark.slow
 def test_mixed_float16_with_loss_scaling_equals_the_single_device_model():
     keras.config.set_dtype_policy("mixed_float16")
     x, y = data()
@@ -157,6 +158,7 @@ def test_mixed_float16_with_loss_scaling_equals_the_single_device_model():
     assert float(model.optimizer.dynamic_scale) == float(single.optimizer.dynamic_scale)
 
 
+@pytest.mark.slow
 def test_save_and_load_keeps_stages_devices_and_weights(tmp_path):
     x, y = data()
     _, model = pair(4, checkpoint=True)

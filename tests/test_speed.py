@@ -279,6 +279,7 @@ def test_lean_gelu_and_layer_norm_equal_keras(x_dtype):
         keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.slow
 def test_lean_activations_keep_a_vit_step_and_lower_its_peak():
     plain_loss, plain_grads, plain_peak = _vit_tiny_step(lean=False)
     lean_loss, lean_grads, lean_peak = _vit_tiny_step(lean=True)
