@@ -31,7 +31,6 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from kvram import _checks
-from kvram._order import call_options as _call_options
 from kvram.layers import Checkpoint
 from kvram.parallel._deferred import DeferredKernels
 from kvram.training import Model, _step
@@ -349,6 +348,33 @@ def _without_host_swapping():
     from tensorflow.core.protobuf import rewriter_config_pb2
 
     return _call_options(memory_optimization=rewriter_config_pb2.RewriterConfig.NO_MEM_OPT)
+
+
+@contextlib.contextmanager
+def _call_options(executor_type=None, **rewrites):
+    """Within, `tf.function`s called (and traced) on this thread run with the
+    per-call options that eager function calls carry (their `config_proto`,
+    which Grappler reads, and their executor) amended: `rewrites` set fields
+    of Grappler's `RewriterConfig`; `executor_type` (e.g.
+    "SINGLE_THREADED_EXECUTOR") replaces the executor when given. Restored
+    after."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    saved = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    if saved.config_proto_serialized:
+        config.ParseFromString(saved.config_proto_serialized)
+    for field, value in rewrites.items():
+        setattr(config.graph_options.rewrite_options, field, value)
+    ctx.function_call_options = context.FunctionCallOptions(
+        executor_type=saved.executor_type if executor_type is None else executor_type, config_proto=config
+    )
+    try:
+        yield
+    finally:
+        ctx.function_call_options = saved
 
 
 def _on(variable, device: str) -> bool:

@@ -5,14 +5,13 @@ allocator peak measured; a step out of the device's memory is an
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import keras
 import tensorflow as tf
 from keras import tree
 
-from kvram import _order, memory
+from kvram import memory
 from kvram.remat._profile import peak_steps
 from kvram.remat._segments import _groups, rebuild
 
@@ -104,9 +103,9 @@ def _step_check(model, chain, x, y, loss_fn, device, jit):
         return done[runs]
 
     def settled(runs):
-        """check(runs), for the peak a plan reports. Without XLA (one op order,
-        `_step_peak`) the lower of it and a second trace's: there a trace's
-        peak repeats to the byte, step after step, but traces of one
+        """check(runs), for the peak a plan reports. Under one op order (the
+        single-threaded executor) the lower of it and a second trace's: there
+        a trace's peak repeats to the byte, step after step, but traces of one
         model differ, most peaking at one value and a few higher
         (MobileNetV3Small's least-memory plan on the CPU, five traces of one
         model: 42.0, 45.3, 42.0, 42.4, 42.0 MiB; ConvNeXtTiny's choice for a
@@ -115,7 +114,7 @@ def _step_check(model, chain, x, y, loss_fn, device, jit):
         if runs not in settled_done:
             first = check(runs)
             settled_done[runs] = first
-            if not (jit or isinstance(first, _OutOfMemory)):
+            if not (jit or peak_steps() > 1 or isinstance(first, _OutOfMemory)):
                 for _ in range(_TRACES - 1):
                     again = _step_peak(trained(runs), x, y, loss_fn, device, jit)
                     if not isinstance(again, _OutOfMemory):
@@ -139,12 +138,9 @@ class _OutOfMemory(int):
 
 
 def _step_peak(model, x, y, loss_fn, device, jit) -> int:
-    """The step's peak as it will train: XLA-compiled (`jit`), else on the graph
-    executor in one op order (`kvram._order`; a planned model trains so)."""
     try:
         with memory.state_kept(model):  # the steps move BatchNormalization statistics and seeds
-            with contextlib.nullcontext() if jit else _order.one_op_order():
-                return _step_peak_or_raise(model, x, y, loss_fn, device, jit)
+            return _step_peak_or_raise(model, x, y, loss_fn, device, jit)
     except tf.errors.ResourceExhaustedError:
         gc.collect()
         limit = memory.limit_bytes(device)

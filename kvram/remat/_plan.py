@@ -24,10 +24,7 @@ so that a training step fits a memory budget with the least recomputation:
    fuses and reschedules it, so step 1's measurement over-predicts it
    (ResNet50 on an H200: 1.44-1.55x), and fixes its buffers at compile time,
    so one run gives its peak. Otherwise the step runs on the graph executor,
-   without step 1's probes, in one op order (`kvram._order`: the order the
-   planned model trains in, `Plan.apply`), where its peak repeats step after
-   step; the peaks a plan reports are the lower of two traces (a few traces
-   of one model peak higher than most: `_check._step_check`).
+   without step 1's probes (which order the ops), the highest of three runs.
    When the chosen one is over the budget, the budget given to step 3 is
    lowered by the overshoot (mapped between the two measured ends) and
    step 3 repeats.
@@ -132,16 +129,8 @@ class Plan:
         **same variables** (the same weights, trained together; no copies),
         with each planned run under `kvram.layers.Checkpoint(policy=policy)`.
         The plan's peaks are those of "full"; "save_dots" keeps more (each
-        run's Dense/EinsumDense products) and recomputes less.
-
-        A plan measured without XLA was measured in one op order (TensorFlow's
-        single-threaded executor, `kvram._order`): the model returned trains
-        in that order in `fit` when it is compiled without XLA, so that it
-        peaks as planned (on the default executor the order of independent
-        ops, and the peak, vary: `kvram._order`'s docstring)."""
-        rebuilt = rebuild(self.model, *self.groups(), policy=policy)
-        rebuilt._kvram_one_op_order = not getattr(self.check, "jit", False)
-        return rebuilt
+        run's Dense/EinsumDense products) and recomputes less."""
+        return rebuild(self.model, *self.groups(), policy=policy)
 
     def __str__(self) -> str:
         recomputed = {i for first, last in self.runs for i in range(first, last + 1)}
@@ -247,7 +236,7 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
     jit = _uses_xla(model, jit_compile, device)
     check = _step_check(model, chain, x, y, loss_fn, device, jit)
     check.jit = jit
-    profile = _profile(model, chain, x, y, loss_fn, device, ordered=not jit)
+    profile = _profile(model, chain, x, y, loss_fn, device)
     resident = (
         sum(_nbytes(v) for v in model.variables)
         + _optimizer_bytes(model, optimizer)

@@ -3,8 +3,6 @@ it is, measured cut by cut by probes that read TensorFlow's allocator."""
 
 from __future__ import annotations
 
-import contextlib
-
 import dataclasses
 import math
 
@@ -12,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from kvram import _order, memory
+from kvram import memory
 from kvram.remat._segments import _main_input, _ordered_nodes, _part
 
 
@@ -100,12 +98,9 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
     return step, records
 
 
-def _profile(model, chain, x, y, loss_fn, device, ordered=False):
-    """The step measured cut by cut; `ordered`: in one op order (`kvram._order`),
-    as a plan that trains without XLA will run."""
+def _profile(model, chain, x, y, loss_fn, device):
     with memory.state_kept(model):  # the steps move BatchNormalization statistics and seeds
-        with _order.one_op_order() if ordered else contextlib.nullcontext():
-            return _profile_steps(model, chain, x, y, loss_fn, device)
+        return _profile_steps(model, chain, x, y, loss_fn, device)
 
 
 def _profile_steps(model, chain, x, y, loss_fn, device):
@@ -147,7 +142,10 @@ def peak_steps() -> int:
     thread's `tf.function`s run on the single-threaded executor (one op order: EfficientNetB0's
     and MobileNetV3Small's training steps on the CPU peaked at the same byte six steps in a row,
     227.42 and 127.21 MiB, where on the default executor they moved by up to 0.5 MiB)."""
-    return 1 if _order.in_one_op_order() else _PROFILE_STEPS
+    from tensorflow.python.eager import context
+
+    executor = context.context().function_call_options.executor_type
+    return 1 if executor == "SINGLE_THREADED_EXECUTOR" else _PROFILE_STEPS
 
 
 def _probe_run(step, records, device, n):

@@ -5,7 +5,6 @@ slices batches or recovers from out-of-memory errors, `_train_function`'s."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import keras
@@ -15,7 +14,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kvram import _checks, _order, data, precision
+from kvram import _checks, data, precision
 from kvram.training import _batch_statistics, _execution, _step, _train_function
 from kvram.training._skip_watch import SkipWatch
 
@@ -286,18 +285,11 @@ class Model(keras.Model):
                     # The prefetch hides the dataset's size from Keras, which then
                     # warns at the end of the first epoch that the data ran out.
                     warnings.filterwarnings("ignore", message="Your input ran out of data")
-                with data.raise_shard_errors(), self._planned_op_order():
+                with data.raise_shard_errors():
                     return super().fit(x, *args, **kwargs)
         finally:
             self._batch_controller = None
             self._in_fit = False
-
-    def _planned_op_order(self):
-        """One op order for the training steps of a model that `kvram.remat.plan`
-        measured so (`Plan.apply`), unless they run under XLA, whose order is its own."""
-        if getattr(self, "_kvram_one_op_order", False) and not self.jit_compile and not self.run_eagerly:
-            return _order.one_op_order()
-        return contextlib.nullcontext()
 
     def evaluate(self, *args, **kwargs):
         if not getattr(self, "_in_fit", False):
