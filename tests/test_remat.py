@@ -318,6 +318,7 @@ def _dropout_chain():
     return residual_model(classes=3, dropout=0.3, name="chain")
 
 
+@pytest.mark.slow
 def test_plan_apply_is_the_same_model_on_the_same_variables():
     keras.utils.set_random_seed(0)
     model = _dropout_chain()
