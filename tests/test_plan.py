@@ -99,11 +99,25 @@ def test_estimate_measure_runs_the_recommendation_and_plain_keras():
     assert abs(found.recommended.predicted_peak_bytes - result["peak_bytes"]) <= 0.15 * result["peak_bytes"]
 
 
-@pytest.mark.slow
 def test_estimate_with_nothing_that_fits():
     found = remat.estimate(small_model, 32, memory_bytes=10**5, precisions=("float32",))
     assert found.recommended is None and not any(c.fits for c in found.configurations)
     assert "nothing fits" in str(found)
+    # the variables alone are over 100 kB: no step is checked, each row says so
+    messages = [message for _, message in found.log]
+    assert not any("checked" in m and "not checked" not in m for m in messages), messages
+    assert sum("not checked, its variables, optimizer state and batch alone" in m for m in messages) == len(
+        found.configurations), messages
+
+
+@pytest.mark.slow
+def test_estimate_checks_what_fits_beside_the_variables():
+    # A memory the variables fit in but no step does: the rows are checked
+    # (only rows whose resident bytes alone are over the limit are skipped).
+    found = remat.estimate(small_model, 8, memory_bytes=600_000, precisions=("float32",), micro_batch_sizes=[],
+                          margin=0.0)
+    messages = [message for _, message in found.log]
+    assert found.recommended is None and any(m.startswith("float32: checked") for m in messages), messages
 
 
 @pytest.mark.slow

@@ -324,6 +324,15 @@ def estimate(
         recommended = None
         for c in preference:
             checker = checkers.get(c.precision)
+            resident = c._planning[3]
+            if resident > limit:
+                # Variables, optimizer state, batch (and accumulators) alone
+                # are over the limit: no step fits, so none is checked.
+                c.fits = False
+                log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, "
+                    f"its variables, optimizer state and batch alone ({resident / 2**20:,.1f} MiB) "
+                    f"are over the limit ({limit / 2**20:,.1f} MiB)")
+                continue
             if checker is not None:
                 keras.config.set_dtype_policy(c.precision)
                 if c.remat == "fit" and not _checked_fit(c, checker, limit):
