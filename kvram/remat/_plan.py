@@ -234,14 +234,22 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
     device = memory._device_name(None)
     loss_fn = _loss_function(model, loss)
     jit = _uses_xla(model, jit_compile, device)
-    check = _step_check(model, chain, x, y, loss_fn, device, jit)
-    check.jit = jit
-    profile = _profile(model, chain, x, y, loss_fn, device)
     resident = (
         sum(_nbytes(v) for v in model.variables)
         + _optimizer_bytes(model, optimizer)
         + sum(int(np.prod(t.shape)) * t.dtype.size for t in tree.flatten((x, y)) if t is not None)
     )
+    if budget_bytes is not None and budget_bytes < resident:
+        # no step fits beside what stays on the device: said before any step is measured
+        raise ValueError(
+            f"budget_bytes={budget_bytes:,} ({_mib(budget_bytes)} MiB) is below the least memory this "
+            f"model can train in at batch {_rows(x)}: its variables, optimizer state and batch alone take "
+            f"{resident:,} bytes ({_mib(resident)} MiB), before any step. Allowed: budget_bytes above "
+            "that; or a smaller batch, or mixed precision."
+        )
+    check = _step_check(model, chain, x, y, loss_fn, device, jit)
+    check.jit = jit
+    profile = _profile(model, chain, x, y, loss_fn, device)
     return _plan_for(model, chain, profile, resident, budget_bytes, _rows(x), check)
 
 
