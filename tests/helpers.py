@@ -119,11 +119,15 @@ class _Ahead:
 
     def __init__(self):
         self.queue, self.results, self.running, self.process, self.paused = [], {}, None, None, 0
+        self.held = False
         self.changed = threading.Condition()
 
-    def start(self, nodeids):
+    def start(self, nodeids, held: bool = False):
+        """Queues the children; held: none starts before `release()`."""
         with self.changed:
             self.queue = list(nodeids)
+            self.held = held
+            self.paused += held
         threading.Thread(target=self._work, name="kvram-tests-ahead", daemon=True).start()
 
     def _work(self):
@@ -147,6 +151,12 @@ class _Ahead:
                 result = (-9, out, err + f"\ntimed out after {CHILD_SECONDS} s")
             with self.changed:
                 self.results[nodeid], self.running = result, None
+                self.changed.notify_all()
+
+    def release(self):
+        with self.changed:
+            if self.held:
+                self.held, self.paused = False, self.paused - 1
                 self.changed.notify_all()
 
     def take(self, nodeid):

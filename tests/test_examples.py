@@ -54,6 +54,7 @@ def test_mixed_precision_example_learns_in_every_policy():
     assert results["mixed_float16"]["loss_scale"] and results["mixed_bfloat16"]["loss_scale"] is None
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("example", ["fit_a_budget", "transformer_budget"])
 def test_budget_example_trains_within_its_budget(example, request):
     from tests.helpers import in_own_process
