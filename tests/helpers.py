@@ -110,16 +110,20 @@ CHILD_SECONDS = 2400
 
 class _Ahead:
     """The children of `in_own_process` tests marked `own_process`
-    (the four plan families, the ResNet50 recompute test), started ahead of their
-    turn in one background thread, one at a time, in the suite's order, while the
-    suite goes on in its own process:
-    the suite then takes about as long as the longer of the two, not their
-    sum, on CI's two cores. Each child is its own process: what it measures
+    (the four plan families, the ResNet50 recompute test, the transformers),
+    started ahead of their turn, in the suite's order, while the suite goes on
+    in its own process: the suite then takes about as long as the longer of
+    the two, not their sum, on CI's two cores. One child runs at a time while
+    the suite runs tests; while the suite waits for a child (`take`), a second
+    starts beside it (the plan families, last in the suite, are mostly
+    single-threaded tracing). Each child is its own process: what it measures
     (its allocator) is its own."""
 
+    LANES = 2
+
     def __init__(self):
-        self.queue, self.results, self.running, self.process, self.paused = [], {}, None, None, 0
-        self.held = False
+        self.queue, self.results, self.running, self.processes, self.paused = [], {}, set(), {}, 0
+        self.held, self.waiting = False, 0
         self.changed = threading.Condition()
 
     def start(self, nodeids, held: bool = False):
@@ -128,29 +132,33 @@ class _Ahead:
             self.queue = list(nodeids)
             self.held = held
             self.paused += held
-        threading.Thread(target=self._work, name="kvram-tests-ahead", daemon=True).start()
+        for lane in range(self.LANES):
+            threading.Thread(target=self._work, name=f"kvram-tests-ahead-{lane}", daemon=True).start()
 
     def _work(self):
         while True:
             with self.changed:
-                while self.paused and self.queue:
+                # one child beside the suite; LANES while the suite waits for one
+                while self.queue and (self.paused or len(self.running) >= (self.LANES if self.waiting else 1)):
                     self.changed.wait()
                 if not self.queue:
                     return
-                self.running = self.queue.pop(0)
-                nodeid = self.running
-                self.process = subprocess.Popen(
+                nodeid = self.queue.pop(0)
+                self.running.add(nodeid)
+                process = self.processes[nodeid] = subprocess.Popen(
                     **_child_command(nodeid), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
             try:
-                out, err = self.process.communicate(timeout=CHILD_SECONDS)
-                result = (self.process.returncode, out, err)
+                out, err = process.communicate(timeout=CHILD_SECONDS)
+                result = (process.returncode, out, err)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                out, err = self.process.communicate()
+                process.kill()
+                out, err = process.communicate()
                 result = (-9, out, err + f"\ntimed out after {CHILD_SECONDS} s")
             with self.changed:
-                self.results[nodeid], self.running = result, None
+                self.results[nodeid] = result
+                self.running.discard(nodeid)
+                self.processes.pop(nodeid, None)
                 self.changed.notify_all()
 
     def release(self):
@@ -166,19 +174,24 @@ class _Ahead:
             if nodeid in self.queue:
                 self.queue.remove(nodeid)
                 return None
-            while self.running == nodeid:
-                self.changed.wait()
+            self.waiting += 1
+            self.changed.notify_all()
+            try:
+                while nodeid in self.running:
+                    self.changed.wait()
+            finally:
+                self.waiting -= 1
             return self.results.pop(nodeid, None)
 
     @contextlib.contextmanager
     def quiet(self):
         """A context in which no child runs ahead: for a test not started
-        ahead (it waits for the running child, and none starts until it ends).
+        ahead (it waits for the running children, and none starts until it ends).
         Checks XLA-compiled on the CPU choose otherwise under another
         process's load (the cut-by-cut profile moves with the op order)."""
         with self.changed:
             self.paused += 1
-            while self.running is not None:
+            while self.running:
                 self.changed.wait()
         try:
             yield
@@ -190,8 +203,8 @@ class _Ahead:
     def stop(self):
         with self.changed:
             self.queue = []
-            if self.running is not None and self.process is not None:
-                self.process.kill()
+            for process in self.processes.values():
+                process.kill()
 
 
 AHEAD = _Ahead()
