@@ -122,7 +122,8 @@ class _Ahead:
     LANES = 2
 
     def __init__(self):
-        self.queue, self.results, self.running, self.processes, self.paused = [], {}, set(), {}, 0
+        # processes: the running children's, by node id
+        self.queue, self.results, self.processes, self.paused = [], {}, {}, 0
         self.held, self.waiting = False, 0
         self.changed = threading.Condition()
 
@@ -139,12 +140,11 @@ class _Ahead:
         while True:
             with self.changed:
                 # one child beside the suite; LANES while the suite waits for one
-                while self.queue and (self.paused or len(self.running) >= (self.LANES if self.waiting else 1)):
+                while self.queue and (self.paused or len(self.processes) >= (self.LANES if self.waiting else 1)):
                     self.changed.wait()
                 if not self.queue:
                     return
                 nodeid = self.queue.pop(0)
-                self.running.add(nodeid)
                 process = self.processes[nodeid] = subprocess.Popen(
                     **_child_command(nodeid), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
@@ -157,8 +157,7 @@ class _Ahead:
                 result = (-9, out, err + f"\ntimed out after {CHILD_SECONDS} s")
             with self.changed:
                 self.results[nodeid] = result
-                self.running.discard(nodeid)
-                self.processes.pop(nodeid, None)
+                del self.processes[nodeid]
                 self.changed.notify_all()
 
     def release(self):
@@ -177,7 +176,7 @@ class _Ahead:
             self.waiting += 1
             self.changed.notify_all()
             try:
-                while nodeid in self.running:
+                while nodeid in self.processes:
                     self.changed.wait()
             finally:
                 self.waiting -= 1
@@ -191,7 +190,7 @@ class _Ahead:
         process's load (the cut-by-cut profile moves with the op order)."""
         with self.changed:
             self.paused += 1
-            while self.running:
+            while self.processes:
                 self.changed.wait()
         try:
             yield

@@ -121,7 +121,7 @@ def test_estimate_checks_what_fits_beside_the_variables():
 
 
 @pytest.mark.slow
-def test_cli_plan_keras_applications_model(tmp_path, capsys):
+def test_cli_plan_keras_applications_model(capsys):
     code = cli.main([
         "plan", "--model", "keras.applications.MobileNetV3Small", "--input-shape", "32,32,3",
         "--classes", "10", "--batch-size", "16", "--gpu-memory", "1GB", "--precision", "float32",

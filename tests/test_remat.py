@@ -238,6 +238,14 @@ def test_checkpointing_every_square_root_group_lowers_the_peak():
 # ---------------------------------------------------------------------------
 # plan: choosing the segments for a memory budget.
 
+
+def _convnext_tiny_half():
+    from keras.src.applications.convnext import ConvNeXt
+
+    return ConvNeXt(depths=[3, 3, 9, 3], projection_dims=[48, 96, 192, 384], weights=None,
+                    input_shape=(64, 64, 3), classes=10, name="convnext_tiny_half")
+
+
 # Batches where activations outweigh the weights, as in GPU training (the
 # planner can only save activation memory: weights and their gradients stay).
 PLAN_FAMILIES = {
@@ -247,19 +255,12 @@ PLAN_FAMILIES = {
     # ConvNeXt-Tiny's 18 blocks (depths 3, 3, 9, 3) at half its width, built by Keras's own
     # ConvNeXt builder: Keras runs ConvNeXt's grouped (depthwise) convolutions through XLA
     # on the CPU (keras/src/backend/tensorflow/nn.py, `_conv_xla`), and at full width this
-    # test took 634 s alone on a 2-core AMD EPYC (batch 48), a third of the suite's budget.
+    # test took 634 s alone on a 2-core AMD EPYC (batch 48), over half the suite's 20 minutes.
     # Half the width quarters the weights and halves the activations: activations weigh
     # more against the weights and gradients than at full width.
-    "convnext_tiny_half": (lambda: _convnext_tiny_half(), 48),
+    "convnext_tiny_half": (_convnext_tiny_half, 48),
 }
 _LOSS = "sparse_categorical_crossentropy"
-
-
-def _convnext_tiny_half():
-    from keras.src.applications.convnext import ConvNeXt
-
-    return ConvNeXt(depths=[3, 3, 9, 3], projection_dims=[48, 96, 192, 384], weights=None,
-                    input_shape=(64, 64, 3), classes=10, name="convnext_tiny_half")
 
 
 def _training_peak(model, x, y, resident):
