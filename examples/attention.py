@@ -13,11 +13,12 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# kvram before TensorFlow: it turns on the CPU allocator's statistics (kvram/__init__.py)
+import kvram  # noqa: E402
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
-import kvram  # noqa: E402
 
 
 def main(argv=None):

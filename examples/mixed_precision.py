@@ -21,11 +21,13 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# kvram before TensorFlow: it turns on the CPU allocator's statistics (kvram/__init__.py)
+import kvram  # noqa: E402
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import kvram  # noqa: E402
 from models.vit import vit_tiny  # noqa: E402
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 
+# kvram before TensorFlow: it turns on the CPU allocator's statistics (kvram/__init__.py)
+import kvram
+
 import keras
 import numpy as np
 import tensorflow as tf
 
-import kvram
 from kvram import memory, remat
 from kvram.remat import parse_bytes
 

@@ -14,6 +14,8 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# kvram before TensorFlow: it turns on the CPU allocator's statistics (kvram/__init__.py)
+import kvram  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 
@@ -36,8 +38,6 @@ def main(argv=None):
     names = devices()
     import keras
     import numpy as np
-
-    import kvram
 
     keras.utils.set_random_seed(0)
     layers = [keras.layers.Dense(n, activation="relu") for n in (256, 256, 64, 64)] + [keras.layers.Dense(1)]

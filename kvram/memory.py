@@ -85,10 +85,13 @@ def _device_name(device: str | None) -> str:
     return f"{match.group(1).upper()}:{match.group(2) or 0}"
 
 
-def _info(device: str | None) -> dict:
+def _statistics(call, device: str | None):
+    """call(the device's TensorFlow name), its ValueError for a device without
+    allocator statistics raised again saying which devices there are and how
+    to get statistics for the CPU."""
     name = _device_name(device)
     try:
-        return tf.config.experimental.get_memory_info(name)
+        return call(name)
     except ValueError as error:
         available = [d.name for d in tf.config.list_logical_devices()]
         fix = (
@@ -101,6 +104,10 @@ def _info(device: str | None) -> dict:
             f"No memory statistics for device {name!r}: {error}. Devices: {available}.{fix} "
             f"Received: device={device!r}"
         ) from None
+
+
+def _info(device: str | None) -> dict:
+    return _statistics(tf.config.experimental.get_memory_info, device)
 
 
 def peak_bytes(device: str | None = None) -> int:
@@ -119,7 +126,7 @@ def current_bytes(device: str | None = None) -> int:
 
 def reset_peak(device: str | None = None) -> None:
     """Resets the peak of `device` to its current use, to measure the next block."""
-    tf.config.experimental.reset_memory_stats(_device_name(device))
+    _statistics(tf.config.experimental.reset_memory_stats, device)
 
 
 @dataclasses.dataclass

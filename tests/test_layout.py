@@ -95,3 +95,26 @@ def test_no_module_over_600_lines():
         with open(path) as handle:
             lines[module] = sum(1 for _ in handle)
     assert not {m: n for m, n in lines.items() if n > 600}, sorted(lines.items(), key=lambda i: -i[1])[:5]
+
+
+def test_examples_import_kvram_before_tensorflow():
+    """An example run as `python examples/x.py` on a CPU without AVX-512 VNNI
+    has CPU allocator statistics only where kvram is imported before
+    TensorFlow (kvram/__init__.py; the tests set TF_ENABLE_ONEDNN_OPTS
+    themselves and would not see it): each example's first import of kvram,
+    Keras or TensorFlow is kvram's."""
+    folder = os.path.join(os.path.dirname(ROOT), "examples")
+    late = {}
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        first = None
+        for node in ast.walk(ast.parse(open(os.path.join(folder, name)).read())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                top = [m.split(".")[0] for m in modules if m.split(".")[0] in ("kvram", "keras", "tensorflow")]
+                if top and (first is None or node.lineno < first[0]):
+                    first = (node.lineno, top[0])
+        if first is not None and first[1] != "kvram":
+            late[name] = first
+    assert not late, f"examples importing {{name: (line, module)}} before kvram: {late}"
