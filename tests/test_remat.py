@@ -252,9 +252,10 @@ def _densenet_half():
     # DenseNet121's four dense blocks at half their depth (6, 12, 24, 16 layers: 3, 6, 12, 8),
     # built by Keras's own DenseNet builder: the same concatenating blocks and transitions. At
     # full depth this test took 590 s alone on a 2-core AMD EPYC, almost half the suite's 20
-    # minutes, all of it tracing: plan() 165 s, its three budgets' checks 208 s, the test's five
-    # measurements 158 s. At half depth it took 193 s beside another test's process, its
-    # no-budget plan 0.43x plain and every budget held. (EfficientNetB0 at half depth does not
+    # minutes, most of it building and optimizing graphs (one trace of its step 15 s, its first
+    # call 8 s): plan() 165 s, its three budgets' checks 208 s, the test's five measurements
+    # 158 s. At half depth it took 193 s beside another test's process, its no-budget plan
+    # 0.43x plain (65.9 of 152.1 MiB) and every budget held. (EfficientNetB0 at half depth does not
     # halve its peak, 0.53x at batch 32 and 64: it stays whole.)
     return DenseNet([3, 6, 12, 8], weights=None, input_shape=(64, 64, 3), classes=10, name="densenet_half")
 
