@@ -351,3 +351,60 @@ def test_auto_is_saved_as_auto(tmp_path):
     loaded = keras.saving.load_model(path)
     assert loaded.get_compile_config()["steps_per_execution"] == "auto"
     assert loaded._auto_steps_per_execution and loaded.steps_per_execution == 1  # until fit resolves it
+
+
+class _Traces:
+    """Counts the traces of a model's train_step and test_step."""
+
+    def __init__(self, model):
+        self.train = self.test = 0
+        train_step, test_step = model.train_step, model.test_step
+
+        def counted_train(data):
+            self.train += 1
+            return train_step(data)
+
+        def counted_test(data):
+            self.test += 1
+            return test_step(data)
+
+        model.train_step, model.test_step = counted_train, counted_test
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+@pytest.mark.parametrize("feed", ["arrays", "dataset"])
+@pytest.mark.parametrize("builder", ["functional", "subclassed"])
+def test_fit_and_evaluate_trace_their_step_once(policy, feed, builder):
+    # Keras builds the optimizer's slots and the metrics' variables inside the
+    # first trace without a strategy, and TensorFlow then traces the step again
+    # (tensorflow/tensorflow#48851); kvram builds them before (Model._build_before_tracing).
+    kvram.precision.enable(policy)
+    net = mlp(checkpoint=True) if builder == "functional" else Net()
+    traces = _Traces(net)
+    net.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    x, y = data(64)
+    fed = (x, y) if feed == "arrays" else (tf.data.Dataset.from_tensor_slices((x, y)).batch(16),)
+    net.evaluate(*fed, verbose=0)
+    history = net.fit(*fed, **({"batch_size": 16} if feed == "arrays" else {}), epochs=2, verbose=0)
+    net.evaluate(*fed, verbose=0)
+    assert (traces.train, traces.test) == (1, 1)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_data_that_is_not_plain_tensors_still_trains():
+    # A ragged input's spec is no plain TensorSpec: the model is built in the trace, as Keras does.
+    rows = tf.ragged.constant([[1.0, 2.0], [3.0], [4.0, 5.0, 6.0], [7.0]])
+    x = tf.data.Dataset.from_tensor_slices((rows, tf.constant([[1.0], [0.0], [1.0], [0.0]]))).batch(2)
+
+    class Sum(kvram.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, ragged):
+            return self.dense(tf.expand_dims(tf.reduce_sum(ragged, axis=1), -1))
+
+    net = Sum()
+    net.compile(optimizer="sgd", loss="mse")
+    history = net.fit(x, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all() and int(net.optimizer.iterations.numpy()) == 4
