@@ -228,8 +228,12 @@ def test_checkpointing_every_square_root_group_lowers_the_peak():
     model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
     groups = _sqrt_groups(len(remat.segments(model)))
     rebuilt = remat.rebuild(model, groups, [True] * len(groups))
-    x = tf.constant(np.random.default_rng(0).random((16, 64, 64, 3)).astype("float32"))
-    y = np.arange(16) % 10
+    # Batch 32: the step's peak holds ResNet50's gradients (94 MiB) beside its activations,
+    # and only these are recomputed. At batch 16 checkpointed peaks of 0.80-0.83x plain were
+    # measured on 2 cores, and 0.91x once in a clean-clone suite (the default executor's op
+    # order moves under load); at 32, 0.76-0.80x beside another process.
+    x = tf.constant(np.random.default_rng(0).random((32, 64, 64, 3)).astype("float32"))
+    y = np.arange(32) % 10
     plain, checkpointed = _step_peak(model, x, y), _step_peak(rebuilt, x, y)
     print(f"step peak: plain {plain / 2**20:.1f} MiB, checkpointed {checkpointed / 2**20:.1f} MiB")
     assert checkpointed < 0.9 * plain, (plain, checkpointed)
