@@ -10,7 +10,7 @@ Variables stay float32 in every policy; activations are 16-bit in the
 mixed ones, which is where the memory goes. Under mixed_float16 Keras wraps the
 optimizer in a LossScaleOptimizer (dynamic loss scaling); bfloat16 needs none.
 
-    python examples/mixed_precision.py [--samples 1024] [--epochs 6]
+    python examples/mixed_precision.py [--samples 1024] [--batch 32] [--epochs 3]
 """
 
 import argparse
@@ -45,9 +45,12 @@ def quadrant_images(n, size=32, seed=0):
     return x, y
 
 
-def gradient_peak(model, x, y):
-    """Peak bytes allocated on CPU:0 by one forward and backward pass (the
-    activations a training step holds; weights and optimizer state excluded)."""
+def gradient_peak(model, x, y, calls=3):
+    """Peak bytes allocated on CPU:0 by a forward and backward pass (the
+    activations a training step holds; weights and optimizer state excluded):
+    the lowest of `calls` passes, as the order TensorFlow's executor runs
+    independent ops in, and so the peak, moves from call to call (float16's
+    share of float32's peak measured 0.72-0.88x from one pass each)."""
     x, y = tf.constant(x), tf.constant(y)
 
     @tf.function
@@ -58,17 +61,20 @@ def gradient_peak(model, x, y):
         return tape.gradient(loss, model.trainable_weights)
 
     gradients.get_concrete_function()
-    kvram.memory.reset_peak("CPU:0")
-    start = kvram.memory.current_bytes("CPU:0")
-    [g.numpy() for g in gradients()]
-    return kvram.memory.peak_bytes("CPU:0") - start
+    peaks = []
+    for _ in range(calls):
+        kvram.memory.reset_peak("CPU:0")
+        start = kvram.memory.current_bytes("CPU:0")
+        [g.numpy() for g in gradients()]
+        peaks.append(kvram.memory.peak_bytes("CPU:0") - start)
+    return min(peaks)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args(argv)
     x, y = quadrant_images(args.samples)
     x_test, y_test = quadrant_images(256, seed=1)
