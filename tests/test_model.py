@@ -408,3 +408,23 @@ def test_data_that_is_not_plain_tensors_still_trains():
     net.compile(optimizer="sgd", loss="mse")
     history = net.fit(x, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all() and int(net.optimizer.iterations.numpy()) == 4
+
+
+def test_a_model_that_cannot_be_built_from_shapes_alone_still_trains():
+    # Keras builds from shapes by an inference call (training=False) on symbolic
+    # inputs; where that call fails, the model is built in the trace, as Keras does.
+    class Picky(kvram.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x, training=False):
+            if not training and x.shape[0] is None:
+                raise TypeError("this model predicts on batches of a known size only")
+            return self.dense(x)
+
+    net = Picky()
+    net.compile(optimizer="sgd", loss="mse")
+    x, y = data(32)
+    history = net.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all() and int(net.optimizer.iterations.numpy()) == 8

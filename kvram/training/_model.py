@@ -349,7 +349,8 @@ class Model(keras.Model):
         twice. Built here as Keras builds
         under a strategy, from the shapes of the data (the dataset's element
         spec: no batch is read), the step is traced once. Data whose spec is
-        not plain tensors (ragged, sparse, optional) keeps Keras's way.
+        not plain tensors (ragged, sparse, optional), and a model whose
+        inference call fails on symbolic inputs, keep Keras's way.
         The small ViT of examples/mixed_precision.py on 2 CPU cores: its first
         epoch took 12.0-15.4 s (float32, bf16, fp16), 19.1-20.5 s before."""
         if data_batch is None:
@@ -359,7 +360,10 @@ class Model(keras.Model):
                 type(spec) is tf.TensorSpec for spec in tree.flatten(data_batch)
             ):
                 return None
-        self._symbolic_build(data_batch=data_batch)
+        try:
+            self._symbolic_build(data_batch=data_batch)
+        except Exception:  # noqa: BLE001 - built in the trace instead, as Keras does without a strategy
+            pass
         return None
 
     def make_train_function(self, force=False):
