@@ -346,9 +346,9 @@ class Model(keras.Model):
         train/test/predict function gets traced"). A `tf.function` whose first
         trace creates variables is traced a second time before it runs
         (tensorflow/tensorflow#48851), so every fit() traced its training step
-        twice. Built here as Keras builds
-        under a strategy, from the shapes of the data (the dataset's element
-        spec: no batch is read), the step is traced once. Data whose spec is
+        twice. Built here as Keras builds under a strategy, from the shapes of
+        the data (the dataset's element spec: no batch is read), the step is
+        traced once. Data whose spec is
         not plain tensors (ragged, sparse, optional), and a model whose
         inference call fails on symbolic inputs, keep Keras's way.
         The small ViT of examples/mixed_precision.py on 2 CPU cores: its first
