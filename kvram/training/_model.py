@@ -348,11 +348,11 @@ class Model(keras.Model):
         (tensorflow/tensorflow#48851), so every fit() traced its training step
         twice. Built here as Keras builds under a strategy, from the shapes of
         the data (the dataset's element spec: no batch is read), the step is
-        traced once. Data whose spec is
-        not plain tensors (ragged, sparse, optional), and a model whose
-        inference call fails on symbolic inputs, keep Keras's way.
-        The small ViT of examples/mixed_precision.py on 2 CPU cores: its first
-        epoch took 12.0-15.4 s (float32, bf16, fp16), 19.1-20.5 s before."""
+        traced once. Data whose spec is not plain tensors (ragged, sparse,
+        optional), and a model whose inference call fails on symbolic inputs,
+        keep Keras's way. The small ViT of examples/mixed_precision.py (batch
+        64) on 2 CPU cores: its first epoch took 12.0-15.4 s (float32, bf16,
+        fp16), 19.1-20.5 s before."""
         if data_batch is None:
             dataset = getattr(iterator, "_distributed_dataset", None)
             data_batch = getattr(dataset, "element_spec", None)
