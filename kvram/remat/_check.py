@@ -122,6 +122,8 @@ def _step_check(model, chain, x, y, loss_fn, device, jit):
         return settled_done[runs]
 
     check.settled = settled
+    # the runs checked so far, for a later budget's search (`_plan._fit_checked`)
+    check.known = lambda: tuple(done)
     return check
 
 

@@ -68,6 +68,7 @@ class Checker:
                                 else f"step peak {_size(peak)}") + (" (from the checks file)" if kept else ""))
                 return peak
 
+            check.known = lambda: tuple(seen)
             self.checks[rows] = check
         return self.checks[rows]
 
@@ -105,6 +106,11 @@ class Checker:
                 return c
             return max(value, line(high_rows, b, third_rows, c))
 
+        def known():  # runs checked at every row the extrapolation reads: free to ask again
+            sets = [set(f.known()) for f in (low, high, third) if f is not None]
+            return tuple(r for r in sets[0] if all(r in other for other in sets[1:]))
+
+        extrapolated.known = known
         return extrapolated
 
 

@@ -352,8 +352,10 @@ def _fit_checked(profile, check, target, plain, least, least_runs, candidates, l
     choice checks over `target`, a budget lowered by the overshoot (mapped
     the same way) and `_LOWER_AT_LEAST` of the range more, the step doubling
     until `_choose` answers with runs not checked yet (a choice 0.1% over
-    would otherwise be chosen again), up to `_CHECK_TRIES` checks. Falls back
-    to the runs with the least recomputation whose checked peak is within
+    would otherwise be chosen again), up to `_CHECK_TRIES` checks, and no
+    further once its choice recomputes no less than a choice already checked
+    within `target` (for another budget of the same check). Falls back to
+    the runs with the least recomputation whose checked peak is within
     `target` among those checked and the least-memory candidates
     (`_least_candidates`; the least-memory runs are one: `target` >= their
     checked peak)."""
@@ -370,9 +372,20 @@ def _fit_checked(profile, check, target, plain, least, least_runs, candidates, l
     def fits(runs):  # an _OutOfMemory's floor is over the target too
         return check(runs) <= target and not isinstance(check(runs), _OutOfMemory)
 
+    def cost(runs):
+        return _recomputed(profile, runs)
+
+    # Choices checked before (for other budgets, or the least-memory
+    # candidates), free to ask again: the least recomputing of those within
+    # `target` ends the search once the programme's choice recomputes no less
+    # (its least recomputation only grows as its budget is lowered).
+    known = [r for r in getattr(check, "known", tuple)() if fits(r)]
+    best = min(known, key=cost, default=None)
     checked = []
     runs = _choose(profile, budget)
     while runs is not None and len(checked) < _CHECK_TRIES:
+        if best is not None and cost(runs) >= cost(best):
+            break
         checked.append(tuple(runs))
         if fits(checked[-1]):
             return checked[-1]
@@ -383,8 +396,8 @@ def _fit_checked(profile, check, target, plain, least, least_runs, candidates, l
             runs = _choose(profile, budget)
             if runs is not None and tuple(runs) in checked:
                 runs, step = None, 2 * step
-    fitting = [r for r in list(candidates) + checked if fits(r)]
-    return min(fitting, key=lambda r: _recomputed(profile, r), default=least_runs)
+    fitting = [r for r in list(candidates) + checked + known if fits(r)]
+    return min(fitting, key=cost, default=least_runs)
 
 
 # How much further than the overshoot (a fraction of the range of predicted
