@@ -1,5 +1,6 @@
 """kvram.remat.estimate and `kvram plan`: will a model fit, and how."""
 
+import functools
 import json
 
 import numpy as np
@@ -28,9 +29,11 @@ def test_parse_bytes_says_what_is_allowed(text):
         remat.parse_bytes(text)
 
 
+@functools.lru_cache(maxsize=None)
 def _direct(batch):
     """The batch's plan measured directly, and the memory midway between its
-    plain and least peaks."""
+    plain and least peaks: made once per batch and shared by the tests that
+    read it (one plan of the small model at 64 rows took 12-14 s on 2 cores)."""
     direct = remat.plan(
         small_model(),
         (np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32"), np.arange(batch) % 10),
@@ -255,9 +258,7 @@ def test_estimate_extrapolates_xla_checks_from_the_probes(request):
 @pytest.mark.slow
 def test_estimate_checks_each_configuration_at_its_own_rows():
     batch = 64
-    x = np.random.default_rng(0).random((batch, 32, 32, 3)).astype("float32")
-    direct = remat.plan(small_model(), (x, np.arange(batch) % 10), optimizer="adam")
-    memory = (direct.plain_peak_bytes + direct.minimum_peak_bytes) // 2
+    direct, memory = _direct(batch)
     found = remat.estimate(small_model, batch, memory_bytes=memory, precisions=("float32",),
                           micro_batch_sizes=[32], margin=0.0, check_at="batch", verbose=True,
                           micro_batch_overhead=0.5)  # slices dearer than recomputing: the whole batch fits

@@ -347,13 +347,22 @@ def _dropout_chain():
     return residual_model(classes=3, dropout=0.3, name="chain")
 
 
-@pytest.mark.slow
-def test_plan_apply_is_the_same_model_on_the_same_variables():
+@pytest.fixture(scope="module")
+def chain_plan():
+    """(model, x, y, plan) of the dropout chain at 32 rows, planned once for
+    the tests that read the plan (a plan of it took ~10 s on 2 cores). A test
+    that trains the model changes the weights the others see: each takes
+    what it compares from the weights as it finds them."""
     keras.utils.set_random_seed(0)
     model = _dropout_chain()
     x = tf.constant(np.random.default_rng(0).random((32, 32, 32, 3)).astype("float32"))
     y = np.arange(32) % 3
-    chosen = remat.plan(model, (x, y), loss=_LOSS)
+    return model, x, y, remat.plan(model, (x, y), loss=_LOSS)
+
+
+@pytest.mark.slow
+def test_plan_apply_is_the_same_model_on_the_same_variables(chain_plan):
+    model, x, y, chosen = chain_plan
     assert chosen.runs, str(chosen)
     rebuilt = chosen.apply()
     assert isinstance(rebuilt, kvram.Model)
@@ -369,12 +378,10 @@ def test_plan_apply_is_the_same_model_on_the_same_variables():
 
 
 @pytest.mark.slow
-def test_planned_model_saves_and_loads_as_keras_file(tmp_path):
-    keras.utils.set_random_seed(0)
-    model = _dropout_chain()
-    x = np.random.default_rng(0).random((32, 32, 32, 3)).astype("float32")
-    y = np.arange(32) % 3
-    rebuilt = remat.plan(model, (x, y), loss=_LOSS).apply()
+def test_planned_model_saves_and_loads_as_keras_file(tmp_path, chain_plan):
+    _, x, y, chosen = chain_plan
+    x = x.numpy()
+    rebuilt = chosen.apply()
     rebuilt.compile(optimizer="adam", loss=_LOSS)
     rebuilt.fit(x, y, epochs=1, verbose=0)
     rebuilt.save(tmp_path / "planned.keras")
