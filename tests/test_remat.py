@@ -576,10 +576,8 @@ def test_when_every_least_candidate_checks_over_the_budget_the_spread_is_checked
 
 
 @pytest.mark.slow
-def test_plan_budget_below_the_least_says_the_least():
-    model = _dropout_chain()
-    x = np.zeros((32, 32, 32, 3), "float32")
-    chosen = remat.plan(model, x)
+def test_plan_budget_below_the_least_says_the_least(chain_plan):
+    model, x, y, chosen = chain_plan
     least = chosen.minimum_peak_bytes
     with pytest.raises(ValueError, match=rf"below the least memory .* {least:,} bytes"):
         chosen.with_budget(least - 4096)
@@ -588,7 +586,7 @@ def test_plan_budget_below_the_least_says_the_least():
     resident = chosen.resident_bytes
     with pytest.raises(ValueError, match=rf"below the least memory .* batch alone take {resident:,} bytes"):
         with mock.patch.object(remat._plan, "_profile", side_effect=AssertionError("measured")):
-            remat.plan(model, x, budget_bytes=resident - 1)
+            remat.plan(model, (x, y), loss=_LOSS, budget_bytes=resident - 1)
 
 
 @pytest.mark.parametrize("budget", [0, -5, "16GB", True, float("nan")])
