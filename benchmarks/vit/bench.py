@@ -93,6 +93,15 @@ CONFIGS = {
         "tf", dict(policy="mixed_bfloat16", attention="keras", kvram_data=True, checkpoint=False, spe=16, pin=True,
                    xla_flags="--xla_gpu_enable_cudnn_fmha=true")
     ),
+    # cuBLASLt GEMMs (bias and activation epilogues fused into the matmul), and Triton GEMMs off
+    "kvram_mha_nockpt_pin_spe16_cublaslt": (
+        "tf", dict(policy="mixed_bfloat16", attention="keras", kvram_data=True, checkpoint=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
+    "kvram_mha_nockpt_pin_spe16_notriton": (
+        "tf", dict(policy="mixed_bfloat16", attention="keras", kvram_data=True, checkpoint=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_triton_gemm=false")
+    ),
     "kvram_nockpt_pin_spe16_nocmdbuf": (
         "tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False, spe=16, pin=True,
                    xla_flags="--xla_gpu_enable_command_buffer=")
