@@ -98,6 +98,14 @@ CONFIGS = {
         "tf", dict(policy="mixed_bfloat16", attention="keras", kvram_data=True, checkpoint=False, spe=16, pin=True,
                    xla_flags="--xla_gpu_enable_cublaslt=true")
     ),
+    "kvram_nockpt_pin_spe16_cublaslt": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
+    "kvram_lean_nockpt_pin_spe16_cublaslt": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False, lean=True, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
     "kvram_mha_nockpt_pin_spe16_notriton": (
         "tf", dict(policy="mixed_bfloat16", attention="keras", kvram_data=True, checkpoint=False, spe=16, pin=True,
                    xla_flags="--xla_gpu_enable_triton_gemm=false")
