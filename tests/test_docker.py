@@ -9,7 +9,9 @@
    the fresh venv sees this environment's packages through a `.pth` file, so
    the pinned TensorFlow and Keras are found installed, and the `[gpu]` extra's
    resolution is checked with `pip install --dry-run` of the same line, which
-   fetches package metadata only (skipped when PyPI cannot be reached).
+   installs nothing (skipped when PyPI cannot be reached). It still downloads
+   each wheel where the index serves no separate metadata: 24 wheels, 3.4 GB
+   with the CUDA ones, in 48 s with pip 23.2.1 on 2 cores (2026-11-26).
 """
 
 import json
@@ -140,7 +142,7 @@ def pypi_reachable() -> bool:
 @pytest.mark.skipif(not pypi_reachable(), reason="PyPI cannot be reached")
 def test_the_gpu_install_line_resolves(image):
     """The full line, `[gpu]` extra included, resolves against PyPI with the
-    pinned versions (metadata only: --dry-run downloads no CUDA wheel)."""
+    pinned versions (--dry-run installs nothing; see the module docstring)."""
     pip = os.path.join(image["venv"], "bin", "pip")
     done = subprocess.run([pip, *pip_line()[1:], "--dry-run", "--ignore-installed"],
                           cwd=image["workdir"], env=image["env"], capture_output=True, text=True,
