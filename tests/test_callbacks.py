@@ -161,6 +161,7 @@ def test_a_hundred_ooms_in_one_fit():
     assert int(net.optimizer.iterations.numpy()) == epochs * N // 8
 
 
+@pytest.mark.slow  # 6.6 s in the fast tier on 2 cores
 def test_recovery_from_a_compiled_step_restores_graph_written_state(monkeypatch):
     """OOMs raised after the compiled gradient pass ran (and wrote BN statistics,
     the sample counter and metrics in graph mode): all of it is put back."""

@@ -161,6 +161,7 @@ def test_save_dots_recomputes_no_product_under_xla():
     assert count["full"] == count["plain"] + 12 * 2
 
 
+@pytest.mark.slow  # 8.4 s in the fast tier on 2 cores
 def test_fit_with_jit_compile_and_predict():
     inputs = keras.Input((16,))
     x = Checkpoint(make_block())(inputs)

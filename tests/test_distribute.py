@@ -30,8 +30,12 @@ def data(n=64):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"micro_batch_size": 3}, {"micro_batch_size": 5}, {"clip_global_norm": 0.5}],
-    ids=["plain", "micro_batches", "uneven_micro_batches", "clipped"],
+    [  # each over 5 s on 2 cores but the clipped one (4.9 s): slow
+        pytest.param({}, id="plain", marks=pytest.mark.slow),
+        pytest.param({"micro_batch_size": 3}, id="micro_batches", marks=pytest.mark.slow),
+        pytest.param({"micro_batch_size": 5}, id="uneven_micro_batches", marks=pytest.mark.slow),
+        pytest.param({"clip_global_norm": 0.5}, id="clipped"),
+    ],
 )
 def test_mirrored_equals_one_device_on_the_same_global_batch(kwargs, mirrored):
     x, y = data()

@@ -730,6 +730,7 @@ def test_plan_under_mixed_precision():
         keras.config.set_dtype_policy(previous)
 
 
+@pytest.mark.slow  # 6.9 s in the fast tier on 2 cores
 def test_planning_leaves_the_model_and_its_optimizer_bit_identical():
     """The profile's and the checks' training-mode steps move BatchNormalization's
     moving statistics and Dropout's seed state; `plan`, `with_budget` and the
