@@ -75,6 +75,11 @@ CONFIGS = {
     "kvram_fp16_pin_spe16": (
         "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True)
     ),
+    # XLA's cuBLASLt GEMMs (on ViT-B/16: +3.5-4.6%, benchmarks/results/vit_cublaslt_h200.json)
+    "kvram_fp16_pin_spe16_cublaslt": (
+        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
     "kvram_bf16_pin_spe16": (
         "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=False, spe=16, pin=True)
     ),
@@ -113,6 +118,8 @@ CONFIGS = {
 def build_tf(settings, batch, device, image_size=224):
     """The model (built and compiled) and the data of a TF configuration."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    if settings.get("xla_flags"):  # before TensorFlow starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + settings["xla_flags"]).strip()
     import keras
     import tensorflow as tf
 
