@@ -13,6 +13,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def add_xla_flags(settings: dict) -> None:
+    """Appends a configuration's `xla_flags` to XLA_FLAGS; call it before
+    TensorFlow starts (XLA reads the variable once)."""
+    if settings.get("xla_flags"):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + settings["xla_flags"]).strip()
+
+
 def gpu_name() -> str:
     try:
         out = subprocess.run(

@@ -26,7 +26,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import timed_fit, timed_torch_steps, training_main  # noqa: E402
+from benchmarks.common import add_xla_flags, timed_fit, timed_torch_steps, training_main  # noqa: E402
 
 # name: (framework, settings)
 CONFIGS = {
@@ -118,8 +118,7 @@ CONFIGS = {
 def build_tf(settings, batch, device, image_size=224):
     """The model (built and compiled) and the data of a TF configuration."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    if settings.get("xla_flags"):  # before TensorFlow starts
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + settings["xla_flags"]).strip()
+    add_xla_flags(settings)  # before TensorFlow starts
     import keras
     import tensorflow as tf
 

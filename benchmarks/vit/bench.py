@@ -34,7 +34,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import timed_fit, timed_torch_steps, training_main, versions  # noqa: E402
+from benchmarks.common import add_xla_flags, timed_fit, timed_torch_steps, training_main, versions  # noqa: E402
 
 CONFIGS = {
     "keras_fp32": ("tf", dict(policy="float32", attention="keras", checkpoint=False)),
@@ -122,8 +122,7 @@ CONFIGS = {
 
 def run_tf(settings, batch, steps, warmup, device):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    if settings.get("xla_flags"):  # before TensorFlow starts
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + settings["xla_flags"]).strip()
+    add_xla_flags(settings)  # before TensorFlow starts
     import keras
     import tensorflow as tf
 
