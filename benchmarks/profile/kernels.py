@@ -182,3 +182,65 @@ def chrome_trace_kernels(path: str):
             records.append((event["name"], float(event["ts"]), float(event["dur"]),
                             str(event.get("tid")), ""))
     return records
+
+
+# A transformer step's work by part of the model, for XLA kernels from the op
+# name of their HLO instruction (the Keras layer path, `hlo_op_names`), for
+# PyTorch's from the kernel's name (Inductor names its Triton kernels after the
+# aten ops they fuse; cuBLAS and flash-attention kernels name themselves).
+# Tried in order; a kernel's GEMM-ness comes from `KINDS` (`matmul`).
+PARTS = (
+    ("optimizer", r"(?i)adam|optimizer|multi_tensor|apply_gradients|non_finite|unscale|_amp_|loss_scale"),
+    ("loss", r"(?i)cross_?entropy|log_softmax|nll_loss|sparse_categorical|/loss/|^loss"),
+    ("layer_norm", r"(?i)layer_?norm|_ln\d|final_ln"),
+    ("attention", r"(?i)attention|softmax|flash|fmha|sdpa|scaled_dot|_attn"),
+    ("mlp", r"(?i)_mlp\d|gelu|erf"),
+    ("patch_embedding", r"(?i)patch|class_and_position|convolution|conv2d|embedding"),
+    ("head", r"(?i)/head/|class_token"),
+    ("residual_add", r"(?i)_add\d"),
+)
+_PART_RULES = [(part, re.compile(pattern)) for part, pattern in PARTS]
+
+
+def part_of(name: str, op: str = "", op_names=None) -> str:
+    """`part/gemm` or `part/other` for one kernel: the part of the model from
+    its XLA instruction's op name (`op_names`: instruction -> op name) or else
+    its own name; `unattributed` where neither says."""
+    gemm = kind_of(name) == "matmul" or "gemm" in op or "cublas" in op
+    text = ""
+    if op_names:
+        text = op_names.get(op) or op_names.get(op.replace("_", ".")) or ""
+    text = text or name
+    for part, rule in _PART_RULES:
+        if rule.search(text):
+            return f"{part}/{'gemm' if gemm else 'other'}"
+    return f"unattributed/{'gemm' if gemm else 'other'}"
+
+
+def by_part(kernels, steps: int, op_names=None) -> dict:
+    """Per-step milliseconds of compute kernels (copies left out) by `part_of`."""
+    sums: dict[str, float] = {}
+    for name, _start, dur, _stream, op in kernels:
+        if kind_of(name, op).startswith("memcpy"):
+            continue
+        part = part_of(name, op, op_names)
+        sums[part] = sums.get(part, 0.0) + dur
+    return {k: round(v / steps / 1e3, 3) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])}
+
+
+def hlo_op_names(directory: str) -> dict:
+    """{instruction name: TensorFlow op name} of the largest optimized HLO
+    module dumped under `directory` (`--xla_dump_to`, `--xla_dump_hlo_as_text`)."""
+    import glob
+    import os
+
+    modules = glob.glob(os.path.join(directory, "*after_optimizations.txt"))
+    if not modules:
+        return {}
+    found = {}
+    with open(max(modules, key=os.path.getsize)) as f:
+        for line in f:
+            match = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name=\"([^\"]*)\"", line)
+            if match:
+                found[match.group(1)] = match.group(2)
+    return found

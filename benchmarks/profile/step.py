@@ -1,4 +1,4 @@
-"""Where a ResNet50 training step's time goes: TensorFlow/Keras vs PyTorch, on the GPU.
+"""Where a ResNet50 or ViT-B/16 training step's time goes: TensorFlow/Keras vs PyTorch, on the GPU.
 
 Each configuration runs in its own process: build, compile, warm up, time
 `--steps` steps without the profiler (img/s), then profile `--profile-steps`
@@ -13,6 +13,7 @@ traced back to the Keras layer it came from.
     python benchmarks/profile/step.py --out profile.json                 # all configs
     python benchmarks/profile/step.py --only tf_fp16_xla --only torch_fp16
     python benchmarks/profile/step.py --raw-dir raw/   # also keep kernels + HLO per config
+    python benchmarks/profile/step.py --model vit --only torch_fp16_compile --only kvram_nockpt_pin_spe16
 
 Configurations (`CONFIGS`): Keras `applications.ResNet50(weights=None)` under
 mixed_float16 / mixed_bfloat16, with and without XLA, and variants that each
@@ -20,6 +21,12 @@ change one thing (fused batch norm, steps_per_execution, XLA flags, data
 prefetched to the GPU); torchvision resnet50 with fp16 autocast, channels_last.
 Data: one synthetic batch of 224x224 images, SGD(0.01, momentum 0.9), as in
 `benchmarks/resnet50/bench.py`.
+
+`--model vit`: the configurations of `benchmarks/vit/bench.py` (its model, data
+and PyTorch step), and each kernel's time also by part of the transformer
+(`kernels.by_part`: attention, LayerNorm, MLP, optimizer, ..., GEMM or not), for
+XLA kernels from their HLO instruction's op name (the step's HLO is always
+dumped for this).
 """
 
 from __future__ import annotations
@@ -111,15 +118,28 @@ def _xla_dump_dir(raw_dir, name):
     return os.path.join(raw_dir or tempfile.gettempdir(), f"hlo_{name}")
 
 
+def _configs(model):
+    if model == "vit":
+        from benchmarks.vit.bench import CONFIGS as VIT_CONFIGS
+
+        return VIT_CONFIGS
+    return CONFIGS
+
+
 def run_tf(name, settings, args):
     import tensorflow as tf
 
-    from kernels import breakdown, xspace_kernels
+    from kernels import breakdown, by_part, hlo_op_names, xspace_kernels
 
     batch, device = settings.get("batch", args.batch), args.device
-    # the ResNet50 benchmark's model and data; here the model defaults to Keras's,
-    # and models/resnet50.py to no checkpointing
-    model, data = build_tf({"model": "keras", "ckpt": False, **settings}, batch, device, args.image_size)
+    if args.model == "vit":
+        from benchmarks.vit.bench import build_tf as build_vit
+
+        model, data = build_vit(settings, batch, device)
+    else:
+        # the ResNet50 benchmark's model and data; here the model defaults to Keras's,
+        # and models/resnet50.py to no checkpointing
+        model, data = build_tf({"model": "keras", "ckpt": False, **settings}, batch, device, args.image_size)
     fused = sum(type(layer).__name__ == "FusedBatchNormalization" for layer in model._flatten_layers())
     if settings.get("micro"):
         model.micro_batch_size = settings["micro"]
@@ -146,6 +166,10 @@ def run_tf(name, settings, args):
         kernels = xspace_kernels(planes[0]) if planes else []
         result["profile"] = breakdown(kernels, profile_steps) if kernels else {
             "kernels": 0, "note": f"no GPU kernels in the trace ({len(planes)} xplane files)"}
+        if kernels and args.model == "vit":
+            op_names = hlo_op_names(_xla_dump_dir(args.raw_dir, name))
+            result["profile"]["hlo_instructions_named"] = len(op_names)
+            result["profile"]["parts_ms_per_step"] = by_part(kernels, profile_steps, op_names)
         _keep_raw(args.raw_dir, name, kernels)
     except Exception as error:  # noqa: BLE001 - the timing above still stands
         result["profile"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
@@ -157,10 +181,15 @@ def run_tf(name, settings, args):
 def run_torch(name, settings, args):
     import torch
 
-    from kernels import breakdown, chrome_trace_kernels
+    from kernels import breakdown, by_part, chrome_trace_kernels
 
     batch = settings.get("batch", args.batch)
-    step = torch_step({"segments": 0, **settings}, batch)  # the ResNet50 benchmark's step
+    if args.model == "vit":
+        from benchmarks.vit.bench import torch_step as vit_step
+
+        step, _ = vit_step(settings, batch)
+    else:
+        step = torch_step({"segments": 0, **settings}, batch)  # the ResNet50 benchmark's step
     timed = timed_torch_steps(step, args.steps, args.warmup)
     result = {
         "settings": settings,
@@ -178,6 +207,8 @@ def run_torch(name, settings, args):
     prof.export_chrome_trace(trace)
     kernels = chrome_trace_kernels(trace)
     result["profile"] = breakdown(kernels, args.profile_steps)
+    if args.model == "vit":
+        result["profile"]["parts_ms_per_step"] = by_part(kernels, args.profile_steps)
     _keep_raw(args.raw_dir, name, kernels)
     return result
 
@@ -185,6 +216,7 @@ def run_torch(name, settings, args):
 def _keep_raw(raw_dir, name, kernels):
     """Writes the kernel records (and the largest optimized HLO module) for later analysis."""
     if not raw_dir:
+        shutil.rmtree(_xla_dump_dir(raw_dir, name), ignore_errors=True)
         return
     os.makedirs(raw_dir, exist_ok=True)
     with gzip.open(os.path.join(raw_dir, f"kernels_{name}.json.gz"), "wt") as f:
@@ -200,7 +232,8 @@ def _keep_raw(raw_dir, name, kernels):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
+    parser.add_argument("--model", choices=("resnet50", "vit"), default="resnet50")
+    parser.add_argument("--only", action="append", help="a configuration (default: all of the model's)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=8)
@@ -212,20 +245,24 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    configs = _configs(args.model)
+    unknown = sorted(set(args.only or ()) - set(configs))
+    if unknown:
+        parser.error(f"unknown --only {unknown} for --model {args.model}; choose from {sorted(configs)}")
     if args.child:
-        framework, settings = CONFIGS[args.child]
+        framework, settings = configs[args.child]
         runner = run_tf if framework == "tf" else run_torch
         print("RESULT " + json.dumps(runner(args.child, settings, args)), flush=True)
         return
     results = {}
-    for name in args.only or list(CONFIGS):
-        framework, settings = CONFIGS[name]
+    for name in args.only or list(configs):
+        framework, settings = configs[name]
         env = dict(os.environ, **settings.get("env", {}))
         flags = [env.get("XLA_FLAGS", ""), settings.get("xla_flags", "")]
-        if framework == "tf" and settings.get("jit") and args.raw_dir:
+        if framework == "tf" and (args.model == "vit" or settings.get("jit") and args.raw_dir):
             flags += [f"--xla_dump_to={_xla_dump_dir(args.raw_dir, name)}", "--xla_dump_hlo_as_text"]
         env["XLA_FLAGS"] = " ".join(f for f in flags if f)
-        command = [sys.executable, __file__, "--child", name, "--batch", str(args.batch),
+        command = [sys.executable, __file__, "--child", name, "--model", args.model, "--batch", str(args.batch),
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--profile-steps", str(args.profile_steps), "--device", args.device,
                    "--image-size", str(args.image_size)]
@@ -246,13 +283,13 @@ def main():
             prof = result.get("profile", {})
             kinds = prof.get("kinds_ms_per_step", {})
             print(f"{name:28} {result['img_per_s']:7.0f} img/s {result['step_ms']:6.1f} ms/step "
-                  f"{result['peak_gib']:6.2f} GiB | busy {prof.get('busy_ms_per_step', 0):.1f} "
+                  f"{result['peak_gib'] or 0:6.2f} GiB | busy {prof.get('busy_ms_per_step', 0):.1f} "
                   f"idle {prof.get('idle_ms_per_step', 0):.1f} ms | "
                   + " ".join(f"{k}={v:.1f}" for k, v in list(kinds.items())[:8])
                   + f" ({result['wall_s']:.0f} s)", flush=True)
         if args.out:  # written after every config: a later stall loses nothing
             with open(args.out, "w") as f:
-                json.dump({"benchmark": "profile-resnet50-step", "gpu": gpu_name(), "batch": args.batch,
+                json.dump({"benchmark": f"profile-{args.model}-step", "gpu": gpu_name(), "batch": args.batch,
                            "steps": args.steps, "command": "python " + " ".join(sys.argv),
                            "results": results}, f, indent=2)
 

@@ -120,9 +120,12 @@ CONFIGS = {
 }
 
 
-def run_tf(settings, batch, steps, warmup, device):
+def build_tf(settings, batch, device):
+    """The model of a TensorFlow configuration, compiled, and its data: one
+    synthetic batch repeated by `tf.data` on the host. Call it before TensorFlow's
+    first operation (a configuration that pins host memory pins it here) and with
+    the configuration's XLA flags already set (`add_xla_flags`)."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    add_xla_flags(settings)  # before TensorFlow starts
     import keras
     import tensorflow as tf
 
@@ -152,7 +155,14 @@ def run_tf(settings, batch, steps, warmup, device):
         )
         x = tf.random.uniform((batch, 224, 224, 3))
         y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
-    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    return model, tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
+def run_tf(settings, batch, steps, warmup, device):
+    add_xla_flags(settings)  # before TensorFlow starts
+    model, data = build_tf(settings, batch, device)
+    import keras
+
     timed = timed_fit(model, data, steps, warmup, [device])
     return {
         "versions": versions(),
@@ -168,7 +178,9 @@ def run_tf(settings, batch, steps, warmup, device):
     }
 
 
-def run_torch(settings, batch, steps, warmup, device):
+def torch_step(settings, batch):
+    """(step, model) of a PyTorch configuration: torchvision's vit_b_16 on the
+    GPU, AdamW, autocast; `step()` runs one training step and returns its loss."""
     import torch
     import torchvision
 
@@ -191,6 +203,11 @@ def run_torch(settings, batch, steps, warmup, device):
         scaler.update()
         return loss
 
+    return step, model
+
+
+def run_torch(settings, batch, steps, warmup, device):
+    step, model = torch_step(settings, batch)
     timed = timed_torch_steps(step, steps, warmup)
     return {
         "versions": versions(),
