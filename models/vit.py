@@ -47,7 +47,8 @@ class ClassToken(layers.Layer):
         return (input_shape[0], input_shape[2])
 
 
-def encoder_block(tokens, width, heads, mlp, attention="efficient", chunk_size=512, dropout=0.0, name="block"):
+def encoder_block(tokens, width, heads, mlp, attention="efficient", chunk_size=512, dropout=0.0, name="block",
+                  attention_implementation="auto"):
     """One pre-norm Transformer encoder block as a `keras.Model` (B, tokens, width) -> same."""
     if attention not in ("efficient", "keras"):
         raise ValueError(f"`attention` must be 'efficient' or 'keras'. Received: {attention!r}")
@@ -55,7 +56,8 @@ def encoder_block(tokens, width, heads, mlp, attention="efficient", chunk_size=5
     x = layers.LayerNormalization(epsilon=1e-6, name=f"{name}_ln1")(inputs)
     if attention == "efficient":
         attend = kvram.layers.MemoryEfficientAttention(
-            heads, width // heads, chunk_size=chunk_size, dropout=dropout, name=f"{name}_attention"
+            heads, width // heads, chunk_size=chunk_size, dropout=dropout, name=f"{name}_attention",
+            implementation=attention_implementation,
         )
     else:
         attend = layers.MultiHeadAttention(heads, width // heads, dropout=dropout, name=f"{name}_attention")
@@ -85,6 +87,7 @@ def vit(
     dropout=0.0,
     name="vit",
     policy="full",
+    attention_implementation="auto",
 ) -> keras.Model:
     """A ViT as a `kvram.Model`.
 
@@ -94,6 +97,8 @@ def vit(
         checkpoint: wrap every encoder block in `kvram.layers.Checkpoint`.
         chunk_size: keys per chunk for the efficient attention.
         policy: the blocks' `Checkpoint` policy ("full" or "save_dots").
+        attention_implementation: the efficient attention's `implementation`
+            ("auto": cuDNN's fused attention in an XLA step on a GPU).
     """
     if image_size % patch:
         raise ValueError(f"image_size must be a multiple of patch. Received: {image_size}, {patch}")
@@ -105,7 +110,8 @@ def vit(
     x = layers.Dropout(dropout, name="embedding_dropout")(x)
     for i in range(depth):
         block = encoder_block(
-            tokens + 1, width, heads, mlp, attention, chunk_size, dropout, name=f"encoder_block{i}"
+            tokens + 1, width, heads, mlp, attention, chunk_size, dropout, name=f"encoder_block{i}",
+            attention_implementation=attention_implementation,
         )
         x = (kvram.layers.Checkpoint(block, policy=policy) if checkpoint else block)(x)
     x = layers.LayerNormalization(epsilon=1e-6, name="final_ln")(x)

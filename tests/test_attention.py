@@ -184,7 +184,79 @@ def test_unsupported_options_and_config():
     with pytest.raises(ValueError, match="chunk_size=0"):
         MemoryEfficientAttention(2, 4, chunk_size=0)
     clone = MemoryEfficientAttention.from_config(mea.get_config())
-    assert clone.chunk_size == 8 and clone.num_heads == 2
+    assert clone.chunk_size == 8 and clone.num_heads == 2 and clone.implementation == "auto"
+    with pytest.raises(ValueError, match=r"one of \('auto', 'chunked', 'cudnn'\). Received: 'flash'"):
+        MemoryEfficientAttention(2, 4, implementation="flash")
+    chunked = MemoryEfficientAttention(2, 4, implementation="chunked")
+    assert MemoryEfficientAttention.from_config(chunked.get_config()).implementation == "chunked"
+
+
+def test_auto_is_the_chunked_attention_off_a_gpu():
+    """Without a GPU, "auto" computes what "chunked" does, to the bit, eagerly and under XLA."""
+    q, v = inputs(dtype="bfloat16")
+    auto = MemoryEfficientAttention(2, 8, chunk_size=16)
+    chunked = MemoryEfficientAttention(2, 8, chunk_size=16, implementation="chunked")
+    auto(q, v), chunked(q, v)
+    chunked.set_weights(auto.get_weights())
+    for fn in (lambda f: f, lambda f: tf.function(f, jit_compile=True)):
+        a, b = fn(lambda: auto(q, v))(), fn(lambda: chunked(q, v))()
+        assert a.dtype == b.dtype and np.array_equal(a.numpy(), b.numpy())
+
+
+def test_cudnn_says_why_it_cannot_run():
+    """implementation="cudnn" builds into a model anywhere, and a call that
+    cannot take cuDNN's attention says why instead of computing something else."""
+    inputs_ = keras.Input((12, 16))
+    layer = MemoryEfficientAttention(2, 8, implementation="cudnn", dtype="mixed_bfloat16")
+    model = keras.Model(inputs_, layer(inputs_, inputs_))  # Keras's symbolic build
+    q, _ = inputs(b=2, t=12, s=12)
+    with pytest.raises(ValueError, match="only inside a step XLA compiles for a GPU"):
+        model(q)
+    with pytest.raises(ValueError, match="only inside a step XLA compiles for a GPU"):
+        tf.function(model, jit_compile=True)(q)
+    with pytest.raises(ValueError, match="no attention mask but a causal one"):
+        layer(q, q, attention_mask=tf.ones((2, 12, 12), bool))
+    with pytest.raises(ValueError, match="float16 or bfloat16 alike \\(got float32"):
+        MemoryEfficientAttention(2, 8, implementation="cudnn")(q, q)
+    odd = MemoryEfficientAttention(2, 12, implementation="cudnn", dtype="mixed_bfloat16")
+    with pytest.raises(ValueError, match="multiple of 8 up to 128 \\(got 12\\)"):
+        odd(q, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_attention_equals_multi_head_attention_under_xla(causal):
+    """On a GPU, in an XLA-compiled step under mixed_bfloat16: cuDNN's
+    attention (chosen by "auto") against Keras's, outputs and gradients."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    mha, mea = pair(num_heads=4, key_dim=64)
+    q, v = inputs(b=4, t=197, s=197, e=64)
+    mha(q, v), mea(q, v)
+    mea.set_weights(mha.get_weights())
+    mea(q, v)  # built
+
+    def step(layer):
+        def run_it():
+            with tf.GradientTape() as tape:
+                tape.watch([q, v])
+                out = layer(q, v, use_causal_mask=causal)
+                loss = tf.reduce_sum(tf.cast(out, tf.float32) ** 2)
+            return [out] + tape.gradient(loss, [q, v] + layer.trainable_weights)
+
+        return tf.function(run_it, jit_compile=True)()
+
+    from kvram.layers import _cudnn_attention
+
+    calls = []
+    original = _cudnn_attention.cudnn_attention
+    _cudnn_attention.cudnn_attention = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        ours = step(mea)
+    finally:
+        _cudnn_attention.cudnn_attention = original
+    assert calls, "cuDNN's attention was not chosen"
+    theirs = step(mha)
+    assert max_rel_diff(theirs, ours, per_tensor=False) < 2e-2
 
 
 def dense_reference(q, k, v, mask, causal, chunk_size, rate, seed):

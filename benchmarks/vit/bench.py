@@ -24,6 +24,11 @@ Configurations:
                    mode), fp16 autocast + GradScaler, fused AdamW: what a
                    PyTorch user gets with one line. Its compilation (the
                    first warm-up step) is reported as `first_step_s`, not timed.
+    kvram_cudnn_*  MemoryEfficientAttention as cuDNN's fused attention
+                   (implementation="cudnn"), cuBLASLt GEMMs, spe16, pinned:
+                   without checkpointing, with lean activations, with a
+                   Checkpoint per block (full or save_dots). The other kvram
+                   configurations keep the chunked attention they measured.
 """
 
 from __future__ import annotations
@@ -114,6 +119,29 @@ CONFIGS = {
         "tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=False, spe=16, pin=True,
                    xla_flags="--xla_gpu_enable_command_buffer=")
     ),
+    # MemoryEfficientAttention as cuDNN's fused attention (the custom calls of
+    # kvram/layers/_cudnn_attention.py), with cuBLASLt GEMMs; the configurations
+    # above keep its chunked attention
+    "kvram_cudnn_nockpt": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=False,
+                   spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
+    "kvram_cudnn_lean_nockpt": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=False,
+                   lean=True, spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
+    "kvram_cudnn_ckpt": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=True,
+                   spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
+    "kvram_cudnn_dots": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=True,
+                   ckpt_policy="save_dots", spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
+    "kvram_cudnn_lean_dots": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=True,
+                   ckpt_policy="save_dots", lean=True, spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),
@@ -141,6 +169,8 @@ def build_tf(settings, batch, device):
         model = vit_b16(
             attention=settings["attention"], checkpoint=settings["checkpoint"],
             policy=settings.get("ckpt_policy", "full"),
+            # the configurations from before cuDNN's attention keep the chunks they measured
+            attention_implementation=settings.get("attention_impl", "auto" if settings.get("default") else "chunked"),
         )
         if settings.get("lean"):
             kvram.speed.lean_activations(model)
