@@ -142,6 +142,15 @@ CONFIGS = {
         "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=True,
                    ckpt_policy="save_dots", lean=True, spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
     ),
+    # the batch's copy to the GPU: more batches ahead, or none (each step copies its own)
+    "kvram_cudnn_lean_nockpt_prefetch8": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=False,
+                   lean=True, spe=16, pin=True, prefetch=8, xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
+    "kvram_cudnn_lean_nockpt_noprefetch": (
+        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=False,
+                   lean=True, spe=16, pin=True, prefetch=None, xla_flags="--xla_gpu_enable_cublaslt=true")
+    ),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),
@@ -176,6 +185,8 @@ def build_tf(settings, batch, device):
             kvram.speed.lean_activations(model)
         if settings["attention"] == "keras" and not settings.get("kvram_data"):
             model.prefetch_to_gpu = None  # plain Keras: no kvram data path either
+        if "prefetch" in settings:  # batches copied ahead to the GPU (None: off)
+            model.prefetch_to_gpu = settings["prefetch"]
         # "default": the README's usage, kvram's defaults (XLA on a GPU, steps_per_execution "auto")
         tuning = {} if settings.get("default") else dict(jit_compile=True, steps_per_execution=settings.get("spe", 1))
         model.compile(
