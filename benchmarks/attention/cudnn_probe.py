@@ -29,78 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 
-def _dims(lhs_contracting, rhs_contracting):
-    return {
-        "lhs_contracting_dimensions": [str(d) for d in lhs_contracting],
-        "rhs_contracting_dimensions": [str(d) for d in rhs_contracting],
-        "lhs_batch_dimensions": ["0", "1"],
-        "rhs_batch_dimensions": ["0", "1"],
-    }
-
-
-def _config(scale, intermediate, dtype, backward=False):
-    """GpuBackendConfig (JSON) of a forward or backward fused-attention call,
-    as XLA's rewriter sets it (cudnn_fused_mha_rewriter.cc)."""
-    fmha = {
-        "algorithm": {"algo_id": "0", "math_type": "TENSOR_OP_MATH", "tuning_knobs": {"17": "1", "24": "0"},
-                      "is_cudnn_frontend": True, "workspace_size": "0"},
-        "fmha_scale": float(scale),
-        "dropout_rate": 0.0,
-        "seed": 42,
-        "intermediate_tensor_shape": {
-            "element_type": dtype, "dimensions": [str(d) for d in intermediate],
-            "layout": {"minor_to_major": ["3", "2", "1", "0"]},
-        },
-        "mask_type": "NO_MASK",
-    }
-    # fields some XLA versions read (e.g. {"is_flash_attention": true}), for probing
-    fmha.update(json.loads(os.environ.get("KVRAM_FMHA_EXTRA", "{}")))
-    if backward:
-        # dK = dS^T Q, dQ = dS K, dV = P^T dO, dP = dO V^T; all (B, N, ., .)
-        fmha["bmm1_grad_gemm1_dot_dimension_numbers"] = _dims([2], [2])
-        fmha["bmm1_grad_gemm2_dot_dimension_numbers"] = _dims([3], [2])
-        fmha["bmm2_grad_gemm1_dot_dimension_numbers"] = _dims([2], [2])
-        fmha["bmm2_grad_gemm2_dot_dimension_numbers"] = _dims([3], [3])
-    else:
-        fmha["bmm1_dot_dimension_numbers"] = _dims([3], [3])  # Q K^T over head_dim
-        fmha["bmm2_dot_dimension_numbers"] = _dims([3], [2])  # P V over keys
-    return json.dumps({"cudnn_fmha_backend_config": fmha})
-
-
 def cudnn_attention(q, k, v, scale):
-    """softmax(scale q k^T) v by cuDNN's flash attention, inside an XLA-compiled
-    function on a GPU. q: (B, N, T, H), k, v: (B, N, S, H); float16 or bfloat16."""
-    import tensorflow as tf
-    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+    """kvram's cuDNN attention (kvram/layers/_cudnn_attention.py). The results of
+    2026-11-26 were taken with this script's own copy of it, the same calls
+    and backend configuration, before it moved into kvram."""
+    from kvram.layers._cudnn_attention import cudnn_attention as attend
 
-    b, n, t, h = q.shape
-    s = k.shape[2]
-    dtype = {tf.bfloat16: "BF16", tf.float16: "F16"}[q.dtype]
-    intermediate = (b, n, t, s)
-
-    @tf.custom_gradient
-    def attend(q, k, v):
-        # results: the output, the softmax statistics (float32, for the backward
-        # pass) and a workspace that XLA sizes (as JAX's cuDNN lowering orders them)
-        out, stats, _ = gen_xla_ops.xla_custom_call_v2(
-            operands=[q, k, v], call_target_name="__cudnn$fmhaSoftmax",
-            backend_config=_config(scale, intermediate, dtype), has_side_effect=False,
-            result_dtypes=[q.dtype, tf.float32, tf.uint8], result_shapes=[(b, n, t, h), (b, n, t), (0,)],
-        )
-
-        def grad(d_out):
-            dq, dk, dv, _ = gen_xla_ops.xla_custom_call_v2(
-                operands=[q, k, v, stats, tf.cast(d_out, q.dtype), out],
-                call_target_name="__cudnn$fmhaSoftmaxBackward",
-                backend_config=_config(scale, intermediate, dtype, backward=True), has_side_effect=False,
-                result_dtypes=[q.dtype, q.dtype, q.dtype, tf.uint8],
-                result_shapes=[(b, n, t, h), (b, n, s, h), (b, n, s, h), (0,)],
-            )
-            return dq, dk, dv
-
-        return out, grad
-
-    return attend(q, k, v)
+    return attend(q, k, v, scale)
 
 
 def plain_attention(q, k, v, scale):
