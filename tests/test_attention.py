@@ -224,6 +224,50 @@ def test_cudnn_says_why_it_cannot_run():
         odd(q, q)
 
 
+def test_cudnn_calls_are_what_xla_expects():
+    """The traced custom calls (no GPU needed to trace them): their targets,
+    result order (a forward call listing the workspace before the softmax
+    statistics failed on an H200 with "Unsupported datatype") and backend
+    configuration (JAX's BNTH dimension numbers, fused_attention_stablehlo.py)."""
+    import json
+
+    from kvram.layers._cudnn_attention import cudnn_attention
+
+    q = tf.TensorSpec((2, 3, 197, 64), tf.bfloat16)
+
+    @tf.function
+    def step(q, k, v):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            loss = tf.reduce_sum(tf.cast(cudnn_attention(q, k, v, 0.125, causal=True), tf.float32))
+        return tape.gradient(loss, [q, k, v])
+
+    graph = step.get_concrete_function(q, q, q).graph
+    calls = {op.get_attr("call_target_name").decode(): op for op in graph.get_operations() if op.type == "XlaCustomCallV2"}
+    assert set(calls) == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, sorted(calls)
+
+    def attrs(op):
+        return [tf.as_dtype(d).name for d in op.get_attr("result_dtypes")], op.get_attr("backend_config")
+
+    dtypes, config = attrs(calls["__cudnn$fmhaSoftmax"])
+    assert dtypes == ["bfloat16", "float32", "uint8"]  # output, statistics, workspace
+    fmha = json.loads(config)["cudnn_fmha_backend_config"]
+    assert fmha["mask_type"] == "CAUSAL" and fmha["fmha_scale"] == 0.125
+    assert fmha["intermediate_tensor_shape"]["dimensions"] == ["2", "3", "197", "197"]
+    dims = {k: (v["lhs_contracting_dimensions"], v["rhs_contracting_dimensions"]) for k, v in fmha.items() if k.endswith("numbers")}
+    assert dims == {"bmm1_dot_dimension_numbers": (["3"], ["3"]), "bmm2_dot_dimension_numbers": (["3"], ["2"])}
+    dtypes, config = attrs(calls["__cudnn$fmhaSoftmaxBackward"])
+    assert dtypes == ["bfloat16"] * 3 + ["uint8"]  # dQ, dK, dV, workspace
+    fmha = json.loads(config)["cudnn_fmha_backend_config"]
+    dims = {k: (v["lhs_contracting_dimensions"], v["rhs_contracting_dimensions"]) for k, v in fmha.items() if k.endswith("numbers")}
+    assert dims == {
+        "bmm1_grad_gemm1_dot_dimension_numbers": (["2"], ["2"]),
+        "bmm1_grad_gemm2_dot_dimension_numbers": (["3"], ["2"]),
+        "bmm2_grad_gemm1_dot_dimension_numbers": (["2"], ["2"]),
+        "bmm2_grad_gemm2_dot_dimension_numbers": (["3"], ["3"]),
+    }
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_cudnn_attention_equals_multi_head_attention_under_xla(causal):
