@@ -243,7 +243,10 @@ def test_cudnn_calls_are_what_xla_expects():
         return tape.gradient(loss, [q, k, v])
 
     graph = step.get_concrete_function(q, q, q).graph
-    calls = {op.get_attr("call_target_name").decode(): op for op in graph.get_operations() if op.type == "XlaCustomCallV2"}
+    calls = {
+        op.get_attr("call_target_name").decode(): op
+        for op in graph.get_operations() if op.type == "XlaCustomCallV2"
+    }
     assert set(calls) == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, sorted(calls)
 
     def attrs(op):
@@ -254,12 +257,14 @@ def test_cudnn_calls_are_what_xla_expects():
     fmha = json.loads(config)["cudnn_fmha_backend_config"]
     assert fmha["mask_type"] == "CAUSAL" and fmha["fmha_scale"] == 0.125
     assert fmha["intermediate_tensor_shape"]["dimensions"] == ["2", "3", "197", "197"]
-    dims = {k: (v["lhs_contracting_dimensions"], v["rhs_contracting_dimensions"]) for k, v in fmha.items() if k.endswith("numbers")}
+    dims = {k: (v["lhs_contracting_dimensions"], v["rhs_contracting_dimensions"])
+            for k, v in fmha.items() if k.endswith("numbers")}
     assert dims == {"bmm1_dot_dimension_numbers": (["3"], ["3"]), "bmm2_dot_dimension_numbers": (["3"], ["2"])}
     dtypes, config = attrs(calls["__cudnn$fmhaSoftmaxBackward"])
     assert dtypes == ["bfloat16"] * 3 + ["uint8"]  # dQ, dK, dV, workspace
     fmha = json.loads(config)["cudnn_fmha_backend_config"]
-    dims = {k: (v["lhs_contracting_dimensions"], v["rhs_contracting_dimensions"]) for k, v in fmha.items() if k.endswith("numbers")}
+    dims = {k: (v["lhs_contracting_dimensions"], v["rhs_contracting_dimensions"])
+            for k, v in fmha.items() if k.endswith("numbers")}
     assert dims == {
         "bmm1_grad_gemm1_dot_dimension_numbers": (["2"], ["2"]),
         "bmm1_grad_gemm2_dot_dimension_numbers": (["3"], ["2"]),

@@ -14,7 +14,8 @@ Q, K, V as (batch, heads, tokens, head_dim).
 
     python benchmarks/attention/cudnn_probe.py check          # outputs and gradients vs plain attention
     python benchmarks/attention/cudnn_probe.py time           # fwd+bwd of ViT-B's attention, batch 256
-    python benchmarks/attention/cudnn_probe.py vit --out r.json   # ViT-B/16 batch 256 with it (bench's kvram_mha config)
+    python benchmarks/attention/cudnn_probe.py vit --out r.json   # ViT-B/16 batch 256 with it
+                                                                  # (the bench's kvram_mha config)
 """
 
 from __future__ import annotations
