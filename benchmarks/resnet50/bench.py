@@ -118,7 +118,6 @@ CONFIGS = {
 def build_tf(settings, batch, device, image_size=224):
     """The model (built and compiled) and the data of a TF configuration."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    add_xla_flags(settings)  # before TensorFlow starts
     import keras
     import tensorflow as tf
 
@@ -157,6 +156,7 @@ def build_tf(settings, batch, device, image_size=224):
 
 
 def run_tf(settings, batch, steps, warmup, device):
+    add_xla_flags(settings)  # before TensorFlow starts
     import keras
     import tensorflow as tf
 
