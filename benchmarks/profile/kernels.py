@@ -207,10 +207,7 @@ def part_of(name: str, op: str = "", op_names=None) -> str:
     its XLA instruction's op name (`op_names`: instruction -> op name) or else
     its own name; `unattributed` where neither says."""
     gemm = kind_of(name) == "matmul" or "gemm" in op or "cublas" in op
-    text = ""
-    if op_names:
-        text = op_names.get(op) or op_names.get(op.replace("_", ".")) or ""
-    text = text or name
+    text = (op_names or {}).get(op) or name
     for part, rule in _PART_RULES:
         if rule.search(text):
             return f"{part}/{'gemm' if gemm else 'other'}"
