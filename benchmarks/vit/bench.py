@@ -41,6 +41,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import add_xla_flags, timed_fit, timed_torch_steps, training_main, versions  # noqa: E402
 
+# what every kvram_cudnn_* configuration shares
+_CUDNN = dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", spe=16, pin=True,
+              xla_flags="--xla_gpu_enable_cublaslt=true")
+
 CONFIGS = {
     "keras_fp32": ("tf", dict(policy="float32", attention="keras", checkpoint=False)),
     "kvram": ("tf", dict(policy="mixed_bfloat16", attention="efficient", checkpoint=True)),
@@ -122,35 +126,14 @@ CONFIGS = {
     # MemoryEfficientAttention as cuDNN's fused attention (the custom calls of
     # kvram/layers/_cudnn_attention.py), with cuBLASLt GEMMs; the configurations
     # above keep its chunked attention
-    "kvram_cudnn_nockpt": (
-        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=False,
-                   spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
-    ),
-    "kvram_cudnn_lean_nockpt": (
-        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=False,
-                   lean=True, spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
-    ),
-    "kvram_cudnn_ckpt": (
-        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=True,
-                   spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
-    ),
-    "kvram_cudnn_dots": (
-        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=True,
-                   ckpt_policy="save_dots", spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
-    ),
-    "kvram_cudnn_lean_dots": (
-        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=True,
-                   ckpt_policy="save_dots", lean=True, spe=16, pin=True, xla_flags="--xla_gpu_enable_cublaslt=true")
-    ),
+    "kvram_cudnn_nockpt": ("tf", dict(_CUDNN, checkpoint=False)),
+    "kvram_cudnn_lean_nockpt": ("tf", dict(_CUDNN, checkpoint=False, lean=True)),
+    "kvram_cudnn_ckpt": ("tf", dict(_CUDNN, checkpoint=True)),
+    "kvram_cudnn_dots": ("tf", dict(_CUDNN, checkpoint=True, ckpt_policy="save_dots")),
+    "kvram_cudnn_lean_dots": ("tf", dict(_CUDNN, checkpoint=True, ckpt_policy="save_dots", lean=True)),
     # the batch's copy to the GPU: more batches ahead, or none (each step copies its own)
-    "kvram_cudnn_lean_nockpt_prefetch8": (
-        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=False,
-                   lean=True, spe=16, pin=True, prefetch=8, xla_flags="--xla_gpu_enable_cublaslt=true")
-    ),
-    "kvram_cudnn_lean_nockpt_noprefetch": (
-        "tf", dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", checkpoint=False,
-                   lean=True, spe=16, pin=True, prefetch=None, xla_flags="--xla_gpu_enable_cublaslt=true")
-    ),
+    "kvram_cudnn_lean_nockpt_prefetch8": ("tf", dict(_CUDNN, checkpoint=False, lean=True, prefetch=8)),
+    "kvram_cudnn_lean_nockpt_noprefetch": ("tf", dict(_CUDNN, checkpoint=False, lean=True, prefetch=None)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),
