@@ -250,21 +250,19 @@ def test_cudnn_calls_are_what_xla_expects():
     assert set(calls) == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, sorted(calls)
 
     def attrs(op):
-        return [tf.as_dtype(d).name for d in op.get_attr("result_dtypes")], op.get_attr("backend_config")
+        """Its result dtypes, its fMHA configuration and each product's contracting dimensions."""
+        fmha = json.loads(op.get_attr("backend_config"))["cudnn_fmha_backend_config"]
+        dims = {k: (v["lhs_contracting_dimensions"], v["rhs_contracting_dimensions"])
+                for k, v in fmha.items() if k.endswith("numbers")}
+        return [tf.as_dtype(d).name for d in op.get_attr("result_dtypes")], fmha, dims
 
-    dtypes, config = attrs(calls["__cudnn$fmhaSoftmax"])
+    dtypes, fmha, dims = attrs(calls["__cudnn$fmhaSoftmax"])
     assert dtypes == ["bfloat16", "float32", "uint8"]  # output, statistics, workspace
-    fmha = json.loads(config)["cudnn_fmha_backend_config"]
     assert fmha["mask_type"] == "CAUSAL" and fmha["fmha_scale"] == 0.125
     assert fmha["intermediate_tensor_shape"]["dimensions"] == ["2", "3", "197", "197"]
-    dims = {k: (v["lhs_contracting_dimensions"], v["rhs_contracting_dimensions"])
-            for k, v in fmha.items() if k.endswith("numbers")}
     assert dims == {"bmm1_dot_dimension_numbers": (["3"], ["3"]), "bmm2_dot_dimension_numbers": (["3"], ["2"])}
-    dtypes, config = attrs(calls["__cudnn$fmhaSoftmaxBackward"])
+    dtypes, _, dims = attrs(calls["__cudnn$fmhaSoftmaxBackward"])
     assert dtypes == ["bfloat16"] * 3 + ["uint8"]  # dQ, dK, dV, workspace
-    fmha = json.loads(config)["cudnn_fmha_backend_config"]
-    dims = {k: (v["lhs_contracting_dimensions"], v["rhs_contracting_dimensions"])
-            for k, v in fmha.items() if k.endswith("numbers")}
     assert dims == {
         "bmm1_grad_gemm1_dot_dimension_numbers": (["2"], ["2"]),
         "bmm1_grad_gemm2_dot_dimension_numbers": (["3"], ["2"]),
@@ -275,7 +273,7 @@ def test_cudnn_calls_are_what_xla_expects():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_cudnn_attention_equals_multi_head_attention_under_xla(causal):
+def test_cudnn_attention_equals_multi_head_attention_under_xla(causal, monkeypatch):
     """On a GPU, in an XLA-compiled step under mixed_bfloat16: cuDNN's
     attention (chosen by "auto") against Keras's, outputs and gradients."""
     keras.config.set_dtype_policy("mixed_bfloat16")
@@ -299,11 +297,9 @@ def test_cudnn_attention_equals_multi_head_attention_under_xla(causal):
 
     calls = []
     original = _cudnn_attention.cudnn_attention
-    _cudnn_attention.cudnn_attention = lambda *a, **k: calls.append(1) or original(*a, **k)
-    try:
-        ours = step(mea)
-    finally:
-        _cudnn_attention.cudnn_attention = original
+    monkeypatch.setattr(_cudnn_attention, "cudnn_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ours = step(mea)
+    monkeypatch.undo()
     assert calls, "cuDNN's attention was not chosen"
     theirs = step(mha)
     assert max_rel_diff(theirs, ours, per_tensor=False) < 2e-2
