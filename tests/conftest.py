@@ -112,6 +112,22 @@ def pytest_runtest_logfinish(nodeid, location):
 
 
 def pytest_sessionfinish(session):
-    from tests.helpers import AHEAD
+    from tests.helpers import AHEAD, child_cpu_line
 
     AHEAD.stop()
+    if os.environ.get("KVRAM_TEST_ISOLATED"):
+        import sys
+
+        print(child_cpu_line(), file=sys.stderr, flush=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The own_process children's seconds (each ran beside the suite: its time
+    is in no test's duration), longest first."""
+    from tests.helpers import CHILD_TIMES
+
+    if not CHILD_TIMES:
+        return
+    terminalreporter.section("children (own_process): wall and CPU seconds")
+    for nodeid, (wall, cpu) in sorted(CHILD_TIMES.items(), key=lambda item: -item[1][0]):
+        terminalreporter.write_line(f"{wall:8.1f} s wall {'?' if cpu is None else f'{cpu:8.1f}'} s CPU  {nodeid}")

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -145,6 +146,7 @@ class _Ahead:
                 if not self.queue:
                     return
                 nodeid = self.queue.pop(0)
+                started = time.perf_counter()
                 process = self.processes[nodeid] = subprocess.Popen(
                     **_child_command(nodeid), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
@@ -155,6 +157,7 @@ class _Ahead:
                 process.kill()
                 out, err = process.communicate()
                 result = (-9, out, err + f"\ntimed out after {CHILD_SECONDS} s")
+            record_child(nodeid, time.perf_counter() - started, result[2])
             with self.changed:
                 self.results[nodeid] = result
                 del self.processes[nodeid]
@@ -208,6 +211,29 @@ class _Ahead:
 
 AHEAD = _Ahead()
 
+# Each child's wall-clock and CPU seconds, for the suite's summary
+# (conftest.pytest_terminal_summary): an own_process child runs beside the
+# suite, so its time shows in no test's duration.
+CHILD_TIMES = {}
+CPU_LINE = "kvram-tests-child-cpu-seconds "
+
+
+def child_cpu_line() -> str:
+    """What a child writes last on stderr: its CPU seconds, its own children's included."""
+    import resource
+
+    cpu = sum(
+        getattr(resource.getrusage(who), field)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for field in ("ru_utime", "ru_stime")
+    )
+    return f"{CPU_LINE}{cpu:.1f}"
+
+
+def record_child(nodeid: str, wall: float, stderr: str) -> None:
+    cpu = [line[len(CPU_LINE):] for line in stderr.splitlines() if line.startswith(CPU_LINE)]
+    CHILD_TIMES[nodeid] = (wall, float(cpu[-1]) if cpu else None)
+
 
 def in_own_process(request) -> bool:
     """For a test that measures the CPU allocator's peak through fit() or a
@@ -224,8 +250,10 @@ def in_own_process(request) -> bool:
     result = AHEAD.take(request.node.nodeid)
     if result is None:
         with AHEAD.quiet():
+            started = time.perf_counter()
             child = subprocess.run(**_child_command(request.node.nodeid), capture_output=True, text=True, timeout=CHILD_SECONDS)
         result = (child.returncode, child.stdout, child.stderr)
+        record_child(request.node.nodeid, time.perf_counter() - started, child.stderr)
     returncode, stdout, stderr = result
     print(stdout[-4000:])
     assert returncode == 0, stdout[-6000:] + stderr[-3000:]
