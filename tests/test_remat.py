@@ -244,10 +244,26 @@ def test_checkpointing_every_square_root_group_lowers_the_peak():
 
 
 def _convnext_tiny_half():
-    from keras.src.applications.convnext import ConvNeXt
+    """ConvNeXt-Tiny's 18 blocks at half its width, by Keras's own ConvNeXt builder,
+    each block's 7x7 depthwise convolution built as `DepthwiseConv2D`: Keras builds
+    it as a `Conv2D` with one group per channel and, on the CPU, runs grouped
+    convolutions through XLA (keras/src/backend/tensorflow/nn.py, `_conv_xla`),
+    where a training step of this model took 7 s (batch 48, 2 cores) and the test
+    816 s of CPU in a clean-clone suite (1,174 s in its process). As
+    `DepthwiseConv2D` (the same function, TensorFlow's own kernel) the test took
+    264 s of CPU beside two other processes. The grouped `Conv2D` under checkpointing
+    is tested by test_checkpointed_rebuild_equals_the_model[convnext_tiny]."""
+    from keras.src.applications import convnext
 
-    return ConvNeXt(depths=[3, 3, 9, 3], projection_dims=[48, 96, 192, 384], weights=None,
-                    input_shape=(64, 64, 3), classes=10, name="convnext_tiny_half")
+    def conv2d(*args, groups=1, **kwargs):
+        if groups > 1:  # the depthwise convolution: groups == filters == input channels
+            kwargs.pop("filters")
+            return keras.layers.DepthwiseConv2D(**kwargs)
+        return keras.layers.Conv2D(*args, **kwargs)
+
+    with mock.patch.object(convnext.layers, "Conv2D", conv2d):
+        return convnext.ConvNeXt(depths=[3, 3, 9, 3], projection_dims=[48, 96, 192, 384], weights=None,
+                                 input_shape=(64, 64, 3), classes=10, name="convnext_tiny_half")
 
 
 def _densenet_half():
@@ -270,12 +286,10 @@ PLAN_FAMILIES = {
     "efficientnet_b0": (lambda: keras.applications.EfficientNetB0(weights=None, input_shape=(64, 64, 3), classes=10), 32),
     "densenet_half": (_densenet_half, 32),
     "mobilenet_v3_small": (lambda: keras.applications.MobileNetV3Small(weights=None, input_shape=(64, 64, 3), classes=10), 64),
-    # ConvNeXt-Tiny's 18 blocks (depths 3, 3, 9, 3) at half its width, built by Keras's own
-    # ConvNeXt builder: Keras runs ConvNeXt's grouped (depthwise) convolutions through XLA
-    # on the CPU (keras/src/backend/tensorflow/nn.py, `_conv_xla`), and at full width this
-    # test took 634 s alone on a 2-core AMD EPYC (batch 48), over half the suite's 20 minutes.
-    # Half the width quarters the weights and halves the activations: activations weigh
-    # more against the weights and gradients than at full width.
+    # ConvNeXt-Tiny's 18 blocks (depths 3, 3, 9, 3) at half its width (see _convnext_tiny_half):
+    # at full width this test took 634 s alone on a 2-core AMD EPYC (batch 48). Half the width
+    # quarters the weights and halves the activations: activations weigh more against the
+    # weights and gradients than at full width.
     "convnext_tiny_half": (_convnext_tiny_half, 48),
 }
 _LOSS = "sparse_categorical_crossentropy"
