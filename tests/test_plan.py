@@ -114,6 +114,36 @@ def test_estimate_with_nothing_that_fits():
 
 
 @pytest.mark.slow
+def test_estimate_measures_a_precision_only_when_none_before_it_fits():
+    import keras
+
+    built = []
+
+    def build():
+        built.append(keras.config.dtype_policy().name)
+        return small_model()
+
+    kwargs = dict(memory_bytes=2**30, precisions=("float32", "mixed_bfloat16"), micro_batch_sizes=[])
+    found = remat.estimate(build, 8, **kwargs)
+    # float32's plain step fits: mixed_bfloat16 is neither built nor measured
+    assert built == ["float32"]
+    assert found.recommended.precision == "float32" and found.recommended.remat == "none"
+    assert {c.precision for c in found.configurations} == {"float32"}
+    assert found.not_estimated == ["mixed_bfloat16"]
+    assert "not estimated: mixed_bfloat16" in str(found)
+    assert found.to_json()["not_estimated"] == ["mixed_bfloat16"]
+    assert keras.config.dtype_policy().name == "float32"
+
+    built.clear()
+    every = remat.estimate(build, 8, every_precision=True, **kwargs)
+    assert built == ["float32", "mixed_bfloat16"]
+    assert {c.precision for c in every.configurations} == {"float32", "mixed_bfloat16"}
+    assert every.not_estimated == [] and "not estimated" not in str(every)
+    # the same recommendation: precisions are preferred in their order
+    assert (every.recommended.precision, every.recommended.remat) == ("float32", "none")
+
+
+@pytest.mark.slow
 def test_estimate_checks_what_fits_beside_the_variables():
     # A memory the variables fit in but no step does: the rows are checked
     # (only rows whose resident bytes alone are over the limit are skipped).
@@ -134,6 +164,22 @@ def test_cli_plan_keras_applications_model(capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "<- recommended" in printed and printed.count("float32") >= 3, printed
+
+
+@pytest.mark.parametrize("flag, every", [([], False), (["--every-precision"], True)])
+def test_cli_plan_every_precision_reaches_the_estimate(flag, every, monkeypatch):
+    seen = {}
+
+    def estimate(build, batch_size, **kwargs):
+        seen.update(kwargs, batch_size=batch_size)
+        raise ValueError("stopped by the test")
+
+    monkeypatch.setattr(remat, "estimate", estimate)
+    with pytest.raises(SystemExit, match="kvram plan: stopped by the test"):
+        cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "16",
+                  "--gpu-memory", "1GB", "--isolate", "never", *flag])
+    assert seen["every_precision"] is every and seen["batch_size"] == 16
+    assert seen["precisions"] == ("mixed_bfloat16", "mixed_float16", "float32")
 
 
 @pytest.mark.slow

@@ -165,8 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--gpu-memory", default=None, help="e.g. 48GB, 16GiB (default: the present GPU)")
     planner.add_argument(
         "--precision", default="mixed_bfloat16,mixed_float16,float32",
-        help="dtype policies to try, preferred first (comma-separated)",
+        help="dtype policies to try, preferred first (comma-separated); one is measured only "
+             "when none before it fits",
     )
+    planner.add_argument("--every-precision", action="store_true",
+                         help="measure every --precision for the table, also those after the one "
+                              "that fits (each takes as long as the first)")
     planner.add_argument("--margin", type=float, default=0.10, help="fraction of memory kept free")
     planner.add_argument("--micro-batch-overhead", type=float, default=0.05,
                          help="predicted step time added by each micro-batch beyond the first "

@@ -81,7 +81,8 @@ def _plan(args) -> int:
         found = remat.estimate(
             build, args.batch_size, memory_bytes=memory_bytes, optimizer=args.optimizer,
             precisions=tuple(args.precision.split(",")), margin=args.margin, micro_batch_sizes=micro,
-            micro_batch_overhead=args.micro_batch_overhead, checks_file=args.checks_file, verbose=True,
+            micro_batch_overhead=args.micro_batch_overhead, checks_file=args.checks_file,
+            every_precision=args.every_precision, verbose=True,
         )
     except ValueError as error:
         raise SystemExit(f"kvram plan: {error}") from None

@@ -14,7 +14,10 @@ does to speed depends on the GPU and is measured by `--measure`).
 
 The recommended configuration is the first that fits in this order: mixed
 precision before float32 (the order of `precisions`), then the least
-predicted step time (fewer slices first at equal time).
+predicted step time (fewer slices first at equal time). A precision is
+measured only when none before it has a configuration that fits (each is a
+model built and measured at the probe batches: on an H200, 106 s for
+ConvNeXtSmall at batch 128), unless `every_precision` asks for the whole table.
 
 Why a slice costs 5% of a step by default: on an H200 at batch 256 (224x224,
 bf16, `benchmarks/results/plan_h200/`), two 128-row slices without
@@ -103,6 +106,9 @@ class Estimate:
     # check_at), and what was done when (seconds since the start, message).
     check_at: str = "probes"
     log: list = dataclasses.field(default_factory=list)
+    # Precisions not measured: a configuration of one preferred to them fits
+    # (`estimate`'s every_precision).
+    not_estimated: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         rows = [
@@ -117,7 +123,8 @@ class Estimate:
                     for c in self.configurations if c.plan is not None}
         return {"memory_bytes": self.memory_bytes, "margin": self.margin,
                 "batch_size": self.batch_size, "check_at": self.check_at, "configurations": rows,
-                "segments": segments, "measured": self.measured, "log": list(self.log)}
+                "segments": segments, "measured": self.measured, "log": list(self.log),
+                "not_estimated": list(self.not_estimated)}
 
     def __str__(self) -> str:
         rows = [
@@ -139,6 +146,9 @@ class Estimate:
                         f"graph executor) {where}; oom = that step ran out of the device's memory "
                         "(the peak shown is a lower bound); executor = predicted from the cut-by-cut "
                         "measurement (over-predicts XLA's)")
+        if self.not_estimated:
+            rows.append(f"not estimated: {', '.join(self.not_estimated)} (a preferred precision fits; "
+                        "every_precision, or `kvram plan --every-precision`, estimates them too)")
         if self.recommended is None:
             rows.append("nothing fits: use a smaller batch (or more micro-batches)")
         if self.measured:
@@ -193,6 +203,7 @@ def estimate(
     jit_compile="auto",
     check_at="auto",
     checks_file=None,
+    every_precision: bool = False,
     verbose: bool = False,
 ):
     """Predicted memory of every configuration (precision x checkpointing x
@@ -206,7 +217,9 @@ def estimate(
             else required).
         optimizer: the optimizer (name or instance) whose state is counted.
         loss: training loss (see `kvram.remat.plan`).
-        precisions: dtype policies to try, in order of preference.
+        precisions: dtype policies to try, in order of preference. One is
+            measured only when no configuration of those before it fits,
+            unless `every_precision`.
         micro_batch_sizes: slice sizes to try besides whole batches (default:
             the batch halved and quartered).
         margin: fraction of `memory_bytes` kept free.
@@ -239,6 +252,9 @@ def estimate(
             shape, segments), loss, precision, rows, XLA or not, runs,
             device and its memory limit, and TensorFlow, Keras and kvram
             versions.
+        every_precision: measure every precision in `precisions`, for the
+            table, also those after the one recommended (each a cut-by-cut
+            measurement at the probe batches; none checked).
         verbose: print each stage as it ends, with the seconds since the start,
             on standard error (kept in `Estimate.log` either way).
 
@@ -263,87 +279,26 @@ def estimate(
     store = CheckStore(checks_file, log)
     limit = int(memory_bytes * (1 - margin))
     previous = keras.config.dtype_policy().name
-    configurations, done, checkers = [], set(), {}
+    configurations, done, skipped, recommended = [], set(), [], None
     try:
         for precision in precisions:
+            if recommended is not None and not every_precision:
+                # a configuration of a preferred precision fits: this one is not measured
+                skipped.append(precision)
+                continue
             keras.config.set_dtype_policy(precision)
             model = _functional(build())  # nested models inlined
             precision = _policy(model)  # a loaded .keras model keeps its own
             if precision in done:
                 continue
             done.add(precision)
-            chain = segments(model)
-            log(f"{precision}: built {model.name!r}, {len(chain)} segments")
-            shape = tuple(model.inputs[0].shape[1:])
-            batches = {rows: _batch(model, shape, rows) for rows in (low_rows, high_rows)}
-            profiles = _probe_profiles(model, chain, batches, loss)
-            log(f"{precision}: measured cut by cut at {low_rows} and {high_rows} rows")
-            jit = checking._uses_xla(model, jit_compile, memory._device_name(None))
-            checkers[precision] = Checker(
-                model, chain, batches, loss, jit, exact,
-                lambda message, p=precision: log(f"{p}: {message}"),
-                store, (precision, model.name, shape, [s.layers[-1] for s in chain], loss),
+            rows_of, checker = _configurations(
+                model, precision, batch_size, micro_batch_sizes, (low_rows, high_rows), limit,
+                optimizer, loss, jit_compile, exact, log, store, micro_batch_overhead,
             )
-            weights = _nbytes(model.variables)
-            state = _plan._optimizer_bytes(model, optimizer)
-            sample = int(np.prod(shape)) * 4 + 8  # float32 input and an int64 label per row
-            for micro in [None] + list(micro_batch_sizes):
-                rows = micro or batch_size
-                profile = _scaled(*profiles, low_rows, high_rows, rows)
-                # Micro-batches accumulate gradients in float32 beside the slice's own.
-                accumulators = _nbytes(model.trainable_variables) if micro else 0
-                resident = weights + state + sample * batch_size + accumulators
-                base = _plan._plan_for(model, chain, profile, resident, None, rows)
-                # A "fit" row wherever the plain step is predicted over the
-                # limit, also where the least-memory one is: the checks search
-                # for a choice within it (the executor's prediction
-                # over-predicts XLA's), from the least-memory choice when
-                # nothing is predicted to fit.
-                names = ["none"] + (["fit"] if base.plain_peak_bytes > limit else []) + ["least"]
-                for name in names:
-                    if name == "none":
-                        chosen = None
-                    elif name == "fit" and limit >= base.minimum_peak_bytes:
-                        chosen = base.with_budget(limit)
-                    else:
-                        chosen = base
-                    peak = base.plain_peak_bytes if chosen is None else chosen.predicted_peak_bytes
-                    extra = 0.0 if chosen is None else chosen.recompute_fraction
-                    slices = _slices(batch_size, micro)
-                    configurations.append(Configuration(
-                        precision, micro, name, peak, 1.0 + extra + micro_batch_overhead * (slices - 1),
-                        peak <= limit, chosen,
-                        predicted_by="executor", executor_peak_bytes=peak,
-                    ))
-                    configurations[-1]._planning = (model, chain, profile, resident, rows)
-        order = {}
-        for c in configurations:
-            order.setdefault(c.precision, len(order))
-        preference = sorted(configurations, key=lambda c: (
-            order[c.precision], c.relative_step_time, _slices(batch_size, c.micro_batch_size)))
-        recommended = None
-        for c in preference:
-            checker = checkers.get(c.precision)
-            resident = c._planning[3]
-            if resident > limit:
-                # Variables, optimizer state, batch (and accumulators) alone
-                # are over the limit: no step fits, so none is checked.
-                c.fits = False
-                log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, "
-                    f"its variables, optimizer state and batch alone ({resident / 2**20:,.1f} MiB) "
-                    f"are over the limit ({limit / 2**20:,.1f} MiB)")
-                continue
-            if checker is not None:
-                keras.config.set_dtype_policy(c.precision)
-                if c.remat == "fit" and not _checked_fit(c, checker, limit):
-                    continue
-                if c.remat == "least":
-                    _checked_least(c, checker, limit)
-                elif c.remat == "none":
-                    _check(c, checker, limit)
-            if c.fits:
-                recommended = c
-                break
+            configurations += rows_of
+            if recommended is None:
+                recommended = _first_that_fits(rows_of, checker, batch_size, limit, log)
     finally:
         keras.config.set_dtype_policy(previous)
     for c in configurations:
@@ -352,7 +307,88 @@ def estimate(
                   f"{recommended.micro_batch_size or '-'}, remat {recommended.remat}" if recommended else
                   ": nothing fits"))
     return Estimate(memory_bytes, margin, batch_size, configurations, recommended,
-                    check_at="batch" if exact else "probes", log=log.lines)
+                    check_at="batch" if exact else "probes", log=log.lines, not_estimated=skipped)
+
+
+def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows, limit,
+                    optimizer, loss, jit_compile, exact, log, store, micro_batch_overhead):
+    """The rows of one precision (its model measured cut by cut at the probe
+    batches; none checked yet) and its Checker."""
+    low_rows, high_rows = probe_rows
+    chain = segments(model)
+    log(f"{precision}: built {model.name!r}, {len(chain)} segments")
+    shape = tuple(model.inputs[0].shape[1:])
+    batches = {rows: _batch(model, shape, rows) for rows in probe_rows}
+    profiles = _probe_profiles(model, chain, batches, loss)
+    log(f"{precision}: measured cut by cut at {low_rows} and {high_rows} rows")
+    jit = checking._uses_xla(model, jit_compile, memory._device_name(None))
+    checker = Checker(
+        model, chain, batches, loss, jit, exact,
+        lambda message, p=precision: log(f"{p}: {message}"),
+        store, (precision, model.name, shape, [s.layers[-1] for s in chain], loss),
+    )
+    weights = _nbytes(model.variables)
+    state = _plan._optimizer_bytes(model, optimizer)
+    sample = int(np.prod(shape)) * 4 + 8  # float32 input and an int64 label per row
+    configurations = []
+    for micro in [None] + list(micro_batch_sizes):
+        rows = micro or batch_size
+        profile = _scaled(*profiles, low_rows, high_rows, rows)
+        # Micro-batches accumulate gradients in float32 beside the slice's own.
+        accumulators = _nbytes(model.trainable_variables) if micro else 0
+        resident = weights + state + sample * batch_size + accumulators
+        base = _plan._plan_for(model, chain, profile, resident, None, rows)
+        # A "fit" row wherever the plain step is predicted over the
+        # limit, also where the least-memory one is: the checks search
+        # for a choice within it (the executor's prediction
+        # over-predicts XLA's), from the least-memory choice when
+        # nothing is predicted to fit.
+        names = ["none"] + (["fit"] if base.plain_peak_bytes > limit else []) + ["least"]
+        for name in names:
+            if name == "none":
+                chosen = None
+            elif name == "fit" and limit >= base.minimum_peak_bytes:
+                chosen = base.with_budget(limit)
+            else:
+                chosen = base
+            peak = base.plain_peak_bytes if chosen is None else chosen.predicted_peak_bytes
+            extra = 0.0 if chosen is None else chosen.recompute_fraction
+            slices = _slices(batch_size, micro)
+            configurations.append(Configuration(
+                precision, micro, name, peak, 1.0 + extra + micro_batch_overhead * (slices - 1),
+                peak <= limit, chosen,
+                predicted_by="executor", executor_peak_bytes=peak,
+            ))
+            configurations[-1]._planning = (model, chain, profile, resident, rows)
+    return configurations, checker
+
+
+def _first_that_fits(configurations, checker, batch_size, limit, log):
+    """The first of one precision's configurations, in the order of preference
+    (the least predicted step time, fewer slices first at equal time), that
+    fits once checked; None if none does."""
+    preference = sorted(configurations, key=lambda c: (
+        c.relative_step_time, _slices(batch_size, c.micro_batch_size)))
+    for c in preference:
+        resident = c._planning[3]
+        if resident > limit:
+            # Variables, optimizer state, batch (and accumulators) alone
+            # are over the limit: no step fits, so none is checked.
+            c.fits = False
+            log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, "
+                f"its variables, optimizer state and batch alone ({resident / 2**20:,.1f} MiB) "
+                f"are over the limit ({limit / 2**20:,.1f} MiB)")
+            continue
+        keras.config.set_dtype_policy(c.precision)
+        if c.remat == "fit" and not _checked_fit(c, checker, limit):
+            continue
+        if c.remat == "least":
+            _checked_least(c, checker, limit)
+        elif c.remat == "none":
+            _check(c, checker, limit)
+        if c.fits:
+            return c
+    return None
 
 
 def _slices(batch_size, micro_batch_size) -> int:
