@@ -778,6 +778,43 @@ def test_planning_leaves_the_model_and_its_optimizer_bit_identical():
         np.testing.assert_array_equal(a, b)
 
 
+def test_planning_collections_scan_only_new_objects_and_leave_the_collector_as_found():
+    import gc
+    import weakref
+
+    from kvram.remat._check import new_garbage_only
+
+    class Node:
+        pass
+
+    def cycle():
+        node = Node()
+        node.self = node
+        return node
+
+    gc.unfreeze()  # a process that froze nothing (the suite freezes what each test starts with)
+    try:
+        old = cycle()
+        old_ref = weakref.ref(old)
+        with new_garbage_only():
+            assert gc.get_freeze_count() > 0
+            new_ref = weakref.ref(cycle())
+            del old
+            gc.collect()
+            # garbage made within is collected; what was alive on entry is out of sight
+            assert new_ref() is None and old_ref() is not None
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert old_ref() is None
+        gc.freeze()  # a process that froze its own objects keeps them frozen
+        frozen = gc.get_freeze_count()
+        with new_garbage_only():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.freeze()
+
+
 def test_peaks_are_one_step_in_one_op_order_and_the_highest_of_three_otherwise():
     from kvram.remat._profile import peak_steps
 

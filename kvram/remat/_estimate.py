@@ -280,27 +280,28 @@ def estimate(
     limit = int(memory_bytes * (1 - margin))
     previous = keras.config.dtype_policy().name
     configurations, done, skipped, recommended = [], set(), [], None
-    try:
-        for precision in precisions:
-            if recommended is not None and not every_precision:
-                # a configuration of a preferred precision fits: this one is not measured
-                skipped.append(precision)
-                continue
-            keras.config.set_dtype_policy(precision)
-            model = _functional(build())  # nested models inlined
-            precision = _policy(model)  # a loaded .keras model keeps its own
-            if precision in done:
-                continue
-            done.add(precision)
-            rows_of, checker = _configurations(
-                model, precision, batch_size, micro_batch_sizes, (low_rows, high_rows), limit,
-                optimizer, loss, jit_compile, exact, log, store, micro_batch_overhead,
-            )
-            configurations += rows_of
-            if recommended is None:
-                recommended = _first_that_fits(rows_of, checker, batch_size, limit, log)
-    finally:
-        keras.config.set_dtype_policy(previous)
+    with checking.new_garbage_only():  # the checks' collections scan what the estimate makes
+        try:
+            for precision in precisions:
+                if recommended is not None and not every_precision:
+                    # a configuration of a preferred precision fits: this one is not measured
+                    skipped.append(precision)
+                    continue
+                keras.config.set_dtype_policy(precision)
+                model = _functional(build())  # nested models inlined
+                precision = _policy(model)  # a loaded .keras model keeps its own
+                if precision in done:
+                    continue
+                done.add(precision)
+                rows_of, checker = _configurations(
+                    model, precision, batch_size, micro_batch_sizes, (low_rows, high_rows), limit,
+                    optimizer, loss, jit_compile, exact, log, store, micro_batch_overhead,
+                )
+                configurations += rows_of
+                if recommended is None:
+                    recommended = _first_that_fits(rows_of, checker, batch_size, limit, log)
+        finally:
+            keras.config.set_dtype_policy(previous)
     for c in configurations:
         c.__dict__.pop("_planning", None)
     log("done" + (f": recommended {recommended.precision}, micro-batch "

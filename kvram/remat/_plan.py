@@ -40,7 +40,7 @@ import numpy as np
 from keras import tree
 
 from kvram import memory
-from kvram.remat._check import _OutOfMemory, _batch, _loss_function, _rows, _step_check, _uses_xla
+from kvram.remat._check import _OutOfMemory, _batch, _loss_function, _rows, _step_check, _uses_xla, new_garbage_only
 from kvram.remat._choice import (
     _choose,
     _least_candidates,
@@ -110,10 +110,11 @@ class Plan:
         """The plan for another budget (None: least memory), from the same
         measurement (no step is run, except, for a checked plan, the XLA
         check of a choice not checked before)."""
-        return _plan_for(
-            self.model, self.segments, self.profile, self.resident_bytes,
-            _check_budget(budget_bytes), self.batch_size, self.check, self.least_runs,
-        )
+        with new_garbage_only():
+            return _plan_for(
+                self.model, self.segments, self.profile, self.resident_bytes,
+                _check_budget(budget_bytes), self.batch_size, self.check, self.least_runs,
+            )
 
     def predict(self, runs) -> int:
         """Predicted peak (total bytes) if `runs` were recomputed instead."""
@@ -247,10 +248,11 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
             f"{resident:,} bytes ({_mib(resident)} MiB), before any step. Allowed: budget_bytes above "
             "that; or a smaller batch, or mixed precision."
         )
-    check = _step_check(model, chain, x, y, loss_fn, device, jit)
-    check.jit = jit
-    profile = _profile(model, chain, x, y, loss_fn, device)
-    return _plan_for(model, chain, profile, resident, budget_bytes, _rows(x), check)
+    with new_garbage_only():
+        check = _step_check(model, chain, x, y, loss_fn, device, jit)
+        check.jit = jit
+        profile = _profile(model, chain, x, y, loss_fn, device)
+        return _plan_for(model, chain, profile, resident, budget_bytes, _rows(x), check)
 
 
 _CHECK_TRIES = 3
