@@ -440,6 +440,22 @@ def test_cli_plan_child_killed_after_it_finished_is_not_started_again(tmp_path, 
     assert "the estimate's process was killed by SIGABRT after it finished" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("held, exact", [
+    (None, False),  # a CPU
+    (8 * 10**9 // 2**20 * 2**20, True),  # limited to 8GB by kvram plan --limit-gpu: whole MiB
+    (8 * 10**9 // 2**20 * 2**20 - 2**20, False),  # a MiB less than asked for
+    (80 * 2**30, True),  # a larger GPU
+])
+def test_checks_are_exact_where_the_gpu_holds_the_memory_asked_for(held, exact, monkeypatch):
+    from kvram import memory
+    from kvram.remat import _estimate
+
+    monkeypatch.setattr(memory, "_device_name", lambda device: "CPU:0" if held is None else "GPU:0")
+    monkeypatch.setattr(memory, "limit_bytes", lambda device: held)
+    assert _estimate._checks_exact("auto", 8 * 10**9) is exact
+    assert _estimate._checks_exact("batch", 8 * 10**9) and not _estimate._checks_exact("probes", 8 * 10**9)
+
+
 def test_estimate_check_at_is_validated():
     with pytest.raises(ValueError, match=r'check_at must be "auto", "batch" or "probes". Received: check_at=\'all\''):
         remat.estimate(small_model, 16, memory_bytes=2**30, check_at="all")

@@ -405,7 +405,10 @@ def _checks_exact(check_at, memory_bytes) -> bool:
         return check_at == "batch"
     device = memory._device_name(None)
     held = memory.limit_bytes(device) if device.startswith("GPU") else None
-    return held is not None and held >= memory_bytes
+    # A logical GPU's limit is whole MiB (`kvram plan --limit-gpu` asks for memory_bytes // 2**20
+    # MiB): a device limited to --gpu-memory 8GB holds 7,999,586,304 bytes, and was checked at the
+    # probes (three compiled steps each) instead of one step at each configuration's rows.
+    return held is not None and held >= memory_bytes // 2**20 * 2**20
 
 
 class _Log:
