@@ -125,6 +125,12 @@ def vit_b16(classes=1000, **kwargs) -> keras.Model:
     return vit(224, 16, 768, 12, 12, 3072, classes, name="vit_b16", **kwargs)
 
 
+def vit_b16_plain(classes=1000, **kwargs) -> keras.Model:
+    """ViT-B/16 without `Checkpoint` blocks: the model as a user brings it to
+    `kvram plan --model models.vit:vit_b16_plain`."""
+    return vit_b16(classes, checkpoint=False, **kwargs)
+
+
 def vit_tiny(image_size=32, classes=10, **kwargs) -> keras.Model:
     """A small ViT for CPU tests: patch 4, width 64, 4 blocks of 4 heads."""
     kwargs = {"patch": 4, "width": 64, "depth": 4, "heads": 4, "mlp": 128, "name": "vit_tiny", **kwargs}

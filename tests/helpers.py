@@ -313,11 +313,14 @@ def aborting_model():
     """`residual_model()`, for `kvram plan --model tests.helpers:aborting_model`
     in a child process: the process aborts (SIGABRT, as TensorFlow's GPU
     allocator does after some out-of-memory steps) at its
-    `KVRAM_TEST_ABORT_AT`-th check (counting from 1; 0: none), only once when
+    `KVRAM_TEST_ABORT_AT`-th check (counting from 1; 0: none; "build": as the
+    model is built, before any check), only once when
     `KVRAM_TEST_ABORT_MARKER` names a file (made at the abort), else every
     time; and at the interpreter's exit when `KVRAM_TEST_ABORT_AT_EXIT` is set."""
     from kvram import remat
 
+    if os.environ["KVRAM_TEST_ABORT_AT"] == "build":
+        os.abort()
     at, marker = int(os.environ["KVRAM_TEST_ABORT_AT"]), os.environ.get("KVRAM_TEST_ABORT_MARKER")
     real, calls = remat._check._step_peak_or_raise, []
 

@@ -394,20 +394,59 @@ def test_cli_plan_starts_its_process_again_from_the_kept_checks_after_an_abort(t
     assert "the estimate's process was killed by SIGABRT after 1 new check(s)" in err, err[-3000:]
     assert "starting it again from the 1 check(s) kept in" in err
     assert "1 check(s) read from" in err and "(from the checks file)" in err, err[-3000:]
+    # the check it died in is tried again, in the next process
+    assert "in the check after them (tried again" in err and "the process died in it 1 time(s) before" in err
     assert "<- recommended" in out
     report = json.loads((tmp_path / "plan.json").read_text())
     assert [c["remat"] for c in report["configurations"] if c["recommended"]] == ["none"]
-    assert len(json.loads((tmp_path / "checks.json").read_text())["checks"]) == 3
+    kept = json.loads((tmp_path / "checks.json").read_text())
+    assert len(kept["checks"]) == 3 and kept["started"] == {} and kept["begun"] == 4
 
 
 @pytest.mark.slow
 def test_cli_plan_stops_when_its_process_aborts_before_a_new_check(tmp_path, monkeypatch, capfd):
-    code = _plan_in_child(tmp_path, monkeypatch, abort_at=1, once=False)
+    code = _plan_in_child(tmp_path, monkeypatch, abort_at="build", once=False)
     _, err = capfd.readouterr()
     assert code == 1
     assert "was killed by SIGABRT with no new check since it started; stopped. Its 0 check(s)" in err, err[-3000:]
     assert f"--checks-file {tmp_path / 'checks.json'}" in err
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_check_that_processes_died_in_twice_is_out_of_memory(tmp_path, monkeypatch):
+    from kvram.remat import _check, _checker
+
+    class Died(BaseException):
+        """A process's end in a check (TensorFlow's GPU allocator aborting it)."""
+
+    ran = []
+
+    def step_check(*args):
+        def inner(runs):
+            ran.append(runs)
+            raise Died
+
+        return inner
+
+    monkeypatch.setattr(_checker, "_step_check", step_check)
+    model = small_model()
+    chain, path, logs = remat.segments(model), str(tmp_path / "checks.json"), []
+
+    def process():  # what a new process's estimate makes: the store read from the file
+        batches = {8: _checker._batch(model, (32, 32, 3), 8)}
+        return _checker.Checker(model, chain, batches, None, False, True, logs.append,
+                                _checker.CheckStore(path), ("float32",)).at(8)
+
+    for died in (1, 2):
+        with pytest.raises(Died):
+            process()(())
+        kept = _checker.CheckStore(path)
+        assert kept.died(next(iter(kept.started))) == died and kept.progress() == died
+    peak = process()(())  # not run a third time
+    assert isinstance(peak, _check._OutOfMemory) and len(ran) == 2
+    kept = _checker.CheckStore(path)
+    assert kept.started == {} and len(kept.checks) == 1 and kept.progress() == 2
+    assert "out of memory" in logs[-1] and "the process died in it 2 time(s) before" in logs[-1], logs
 
 
 @pytest.mark.slow

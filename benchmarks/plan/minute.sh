@@ -17,7 +17,7 @@ for a in "$@"; do [ "${a#--}" != "$a" ] && extra+=("$a") || names+=("$a"); done
 for name in "${names[@]}"; do
   case $name in
     resnet50) args=(--model ResNet50 --input-shape 224,224,3 --batch-size 256 --gpu-memory 8GB) ;;
-    vit_b16) args=(--model models.vit:vit_b16 --batch-size 256 --gpu-memory 12GB) ;;
+    vit_b16) args=(--model models.vit:vit_b16_plain --batch-size 256 --gpu-memory 12GB) ;;
     convnext_small) args=(--model ConvNeXtSmall --input-shape 224,224,3 --batch-size 128 --gpu-memory 12GB) ;;
     *) echo "unknown model $name (resnet50, vit_b16, convnext_small)"; exit 2 ;;
   esac

@@ -48,8 +48,9 @@ def _model_builder(spec: str, input_shape, classes: int):
 
 
 # How many times `kvram plan` starts its estimate's process again after it was
-# killed by a signal, each time only if it had made a new check.
-_PLAN_RESTARTS = 5
+# killed by a signal, each time only if it had made a new check or died in one
+# (a check out of memory that aborts the process costs two: CheckStore).
+_PLAN_RESTARTS = 8
 
 
 def _plan(args) -> int:
@@ -151,7 +152,8 @@ def _plan_in_child(args) -> int:
     command = [sys.executable, "-m", "kvram", *args.argv, "--isolate", "never", "--checks-file", path,
                "--plan-child", run]
     for restart in range(_PLAN_RESTARTS + 1):
-        before = len(_kept_checks(path).checks)
+        kept = _kept_checks(path)
+        before, progress = len(kept.checks), kept.progress()
         code = subprocess.call(command)
         finished = _kept_checks(path).finished or {}
         if code < 0 and finished.get("run") == run:  # killed after it had finished
@@ -161,14 +163,21 @@ def _plan_in_child(args) -> int:
             if own:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
             return code
-        made = len(_kept_checks(path).checks)
-        if made == before or restart == _PLAN_RESTARTS:
-            why = "with no new check since it started" if made == before else f"{restart + 1} times"
+        kept = _kept_checks(path)
+        made = len(kept.checks)
+        # a process that died in a check goes on: the check is tried again, and
+        # taken as out of memory once a process has died in it twice
+        if kept.progress() == progress or restart == _PLAN_RESTARTS:
+            why = ("with no new check since it started" if kept.progress() == progress
+                   else f"{restart + 1} times")
             print(f"kvram plan: the estimate's process {_launch._describe(code)} {why}; stopped. Its {made} "
                   f"check(s) are kept in {path}: `kvram plan ... --checks-file {path}` goes on from them.",
                   file=sys.stderr, flush=True)
             return 1
-        print(f"kvram plan: the estimate's process {_launch._describe(code)} after {made - before} new check(s) "
+        during = (", in the check after them (tried again: one that a process dies in twice is out of "
+                  "memory)" if kept.started else "")
+        print(f"kvram plan: the estimate's process {_launch._describe(code)} after {made - before} new check(s)"
+              f"{during} "
               "(TensorFlow's GPU allocator can abort a process after a step that ran out of memory); "
               f"starting it again from the {made} check(s) kept in {path} "
               f"(restart {restart + 1} of at most {_PLAN_RESTARTS})", file=sys.stderr, flush=True)

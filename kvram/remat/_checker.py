@@ -57,15 +57,23 @@ class Checker:
                 runs = tuple(runs)
                 key = json.dumps([*self.identity, self.jit, rows, [list(r) for r in runs]], default=str)
                 peak = self.store.get(key)
-                kept = peak is not None
-                if not kept:
+                kept, died = peak is not None, self.store.died(key)
+                if not kept and died >= _DIED_OUT_OF_MEMORY:
+                    # The process died in this check each time it ran it (TensorFlow's GPU
+                    # allocator aborted one in a step out of memory): it does not fit.
+                    peak = _OutOfMemory(self.store.started[key]["floor"])
+                    self.store.put(key, peak)
+                elif not kept:
+                    limit = memory.limit_bytes(self.device)
+                    self.store.start(key, max(1, limit - memory.current_bytes(self.device)) if limit else 1)
                     peak = inner(runs)
                     self.store.put(key, peak)
                 if runs not in seen:
                     seen.add(runs)
                     self.log(f"checked ({self.name}) at {rows} rows with {len(runs)} recomputed run(s): "
                              + (f"out of memory (over {_size(peak)})" if isinstance(peak, _OutOfMemory)
-                                else f"step peak {_size(peak)}") + (" (from the checks file)" if kept else ""))
+                                else f"step peak {_size(peak)}") + (" (from the checks file)" if kept else "")
+                             + (f" (the process died in it {died} time(s) before)" if died else ""))
                 return peak
 
             check.known = lambda: tuple(seen)
@@ -114,20 +122,28 @@ class Checker:
         return extrapolated
 
 
+# A check the process died in this many times (each in a process of its own) is
+# out of memory: once may be the aftermath of an earlier step out of memory.
+_DIED_OUT_OF_MEMORY = 2
+
+
 class CheckStore:
     """Checks' results kept in a JSON file (`estimate`'s checks_file), each
     written as soon as it is made (to a temporary file, then renamed: a
     process killed while writing leaves the previous file whole). Without a
-    file, nothing is kept. `finished`: which `kvram plan` child process
-    finished the estimate, and its exit code (`finish`)."""
+    file, nothing is kept. `started`: the checks begun and not ended, each
+    with the times a process began it and the memory free when it did (a
+    process that dies in a check leaves it there). `finished`: which `kvram
+    plan` child process finished the estimate, and its exit code (`finish`)."""
 
     def __init__(self, path, log=None):
-        self.path, self.checks, self.finished = path, {}, None
+        self.path, self.checks, self.started, self.finished, self.begun = path, {}, {}, None, 0
         if path and os.path.exists(path):
             try:
                 with open(path) as f:
                     saved = json.load(f)
                 self.checks, self.finished = dict(saved["checks"]), saved.get("finished")
+                self.started, self.begun = dict(saved.get("started", {})), int(saved.get("begun", 0))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
                 raise ValueError(
                     f"checks_file {path!r} is not a checks file kvram wrote ({error}). "
@@ -145,7 +161,23 @@ class CheckStore:
 
     def put(self, key, peak):
         self.checks[key] = {"out_of_memory": int(peak)} if isinstance(peak, _OutOfMemory) else int(peak)
+        self.started.pop(key, None)
         self._save()
+
+    def start(self, key, floor):
+        """Says that the check `key` begins, with `floor` bytes free."""
+        self.started[key] = {"times": self.died(key) + 1, "floor": int(floor)}
+        self.begun += 1
+        self._save()
+
+    def died(self, key) -> int:
+        """Times a process began the check `key` and did not end it."""
+        return self.started.get(key, {}).get("times", 0)
+
+    def progress(self) -> int:
+        """Checks begun so far, by every process (ended or died in): what
+        `kvram plan` counts to start a process again."""
+        return self.begun
 
     def finish(self, run, code):
         """Says that the process `run` finished the estimate with exit `code`."""
@@ -157,7 +189,8 @@ class CheckStore:
             return
         partial = f"{self.path}.partial"
         with open(partial, "w") as f:
-            json.dump({"kvram_checks": 1, "checks": self.checks, "finished": self.finished}, f, indent=1)
+            json.dump({"kvram_checks": 1, "checks": self.checks, "started": self.started,
+                       "begun": self.begun, "finished": self.finished}, f, indent=1)
         os.replace(partial, self.path)
 
 
