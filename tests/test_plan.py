@@ -114,7 +114,7 @@ def test_estimate_with_nothing_that_fits():
 
 
 @pytest.mark.slow
-def test_estimate_measures_a_precision_only_when_none_before_it_fits():
+def test_estimate_measures_a_precision_only_when_none_before_it_fits(monkeypatch):
     import keras
 
     built = []
@@ -131,7 +131,15 @@ def test_estimate_measures_a_precision_only_when_none_before_it_fits():
     assert {c.precision for c in found.configurations} == {"float32"}
     assert found.not_estimated == ["mixed_bfloat16"]
     assert "not estimated: mixed_bfloat16" in str(found)
-    assert found.to_json()["not_estimated"] == ["mixed_bfloat16"]
+    from kvram.remat._plan import Plan
+
+    def not_copied(plan, memo):
+        raise AssertionError("the report deep-copied a plan (its model, profile and checks)")
+
+    monkeypatch.setattr(Plan, "__deepcopy__", not_copied, raising=False)
+    report = found.to_json()
+    assert report["not_estimated"] == ["mixed_bfloat16"] and json.dumps(report)
+    assert [r["remat"] for r in report["configurations"] if r["recommended"]] == ["none"]
     assert keras.config.dtype_policy().name == "float32"
 
     built.clear()

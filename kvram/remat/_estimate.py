@@ -111,8 +111,10 @@ class Estimate:
     not_estimated: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
+        # Fields read one by one: dataclasses.asdict would deep-copy each row's plan (its
+        # model, profile and checks) only to drop it: 10.9 s for MobileNetV2 on 2 cores.
         rows = [
-            {k: v for k, v in dataclasses.asdict(c).items() if k != "plan"}
+            {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "plan"}
             | {"runs": [list(r) for r in c.plan.runs] if c.plan else [],
                "recommended": c is self.recommended}
             for c in self.configurations
