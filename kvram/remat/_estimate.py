@@ -16,8 +16,9 @@ The recommended configuration is the first that fits in this order: mixed
 precision before float32 (the order of `precisions`), then the least
 predicted step time (fewer slices first at equal time). A precision is
 measured only when none before it has a configuration that fits (each is a
-model built and measured at the probe batches: on an H200, 106 s for
-ConvNeXtSmall at batch 128), unless `every_precision` asks for the whole table.
+model built and measured at the probe batches: on an H200, 99.6 s for
+ConvNeXtSmall at batch 128, benchmarks/results/plan_minute_h200/), unless
+`every_precision` asks for the whole table.
 
 Why a slice costs 5% of a step by default: on an H200 at batch 256 (224x224,
 bf16, `benchmarks/results/plan_h200/`), two 128-row slices without
