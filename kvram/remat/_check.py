@@ -146,8 +146,14 @@ def _step_peak(model, x, y, loss_fn, device, jit) -> int:
             return _step_peak_or_raise(model, x, y, loss_fn, device, jit)
     except tf.errors.ResourceExhaustedError:
         gc.collect()
-        limit = memory.limit_bytes(device)
-        return _OutOfMemory(max(1, limit - memory.current_bytes(device)) if limit else 1)
+        return _OutOfMemory(_free_bytes(device))
+
+
+def _free_bytes(device) -> int:
+    """Bytes free on `device` now, beside what is allocated (at least 1; 1
+    where its limit is unknown): the floor of a step out of memory."""
+    limit = memory.limit_bytes(device)
+    return max(1, limit - memory.current_bytes(device)) if limit else 1
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from kvram import memory
 from kvram._version import __version__
-from kvram.remat._check import _OutOfMemory, _loss_function, _step_check
+from kvram.remat._check import _OutOfMemory, _free_bytes, _loss_function, _step_check
 
 
 def _size(n) -> str:
@@ -64,8 +64,7 @@ class Checker:
                     peak = _OutOfMemory(self.store.started[key]["floor"])
                     self.store.put(key, peak)
                 elif not kept:
-                    limit = memory.limit_bytes(self.device)
-                    self.store.start(key, max(1, limit - memory.current_bytes(self.device)) if limit else 1)
+                    self.store.start(key, _free_bytes(self.device))
                     peak = inner(runs)
                     self.store.put(key, peak)
                 if runs not in seen:
