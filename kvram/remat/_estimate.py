@@ -392,20 +392,20 @@ def _first_that_fits(configurations, checker, batch_size, limit, log):
         if resident > limit:
             # Variables, optimizer state, batch (and accumulators) alone
             # are over the limit: no step fits, so none is checked.
-            c.fits = False
-            log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, "
-                f"its variables, optimizer state and batch alone ({resident / 2**20:,.1f} MiB) "
-                f"are over the limit ({limit / 2**20:,.1f} MiB)")
-            continue
-        if c.remat == "none" and c.executor_peak_bytes * _CHECKED_AT_LEAST > limit:
+            why = (f"its variables, optimizer state and batch alone ({resident / 2**20:,.1f} MiB) "
+                   f"are over the limit ({limit / 2**20:,.1f} MiB)")
+        elif c.remat == "none" and c.executor_peak_bytes * _CHECKED_AT_LEAST > limit:
             # No recomputation, over the limit even at the least share of its prediction
             # a check has come to: not checked (a compiled step, likely out of memory).
             # Rows that recompute are searched by checks (`_checked_fit`) however high their
             # prediction: XLA can keep much less than the executor's prediction there.
+            why = (f"predicted {c.executor_peak_bytes / 2**30:,.2f} GiB, over the limit "
+                   f"({limit / 2**30:,.2f} GiB) even at {_CHECKED_AT_LEAST:.0%} of that")
+        else:
+            why = None
+        if why is not None:
             c.fits = False
-            log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, "
-                f"predicted {c.executor_peak_bytes / 2**30:,.2f} GiB, over the limit "
-                f"({limit / 2**30:,.2f} GiB) even at {_CHECKED_AT_LEAST:.0%} of that")
+            log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, {why}")
             continue
         keras.config.set_dtype_policy(c.precision)
         if c.remat == "fit" and not _checked_fit(c, checker, limit):
