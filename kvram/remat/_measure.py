@@ -27,7 +27,13 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
     batch that builds and compiles: peak bytes (on the device, beyond what
     was allocated before the model was built: its variables, optimizer state,
     batch and steps) and samples/s of each (`kvram=False`: plain Keras only,
-    in the configuration's precision, under "plain")."""
+    in the configuration's precision, under "plain").
+
+    The model `build` returns is left as it was: each run trains a model
+    over its layers with its own optimizer (a new one like `optimizer`),
+    and every variable of the model (weights, BatchNormalization's
+    statistics, dropout's seed states) is put back afterwards. So `build`
+    may return a model the caller goes on using."""
     device = memory._device_name(None)
     previous = keras.config.dtype_policy().name
     keras.config.set_dtype_policy(configuration.precision)
@@ -37,6 +43,8 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
             gc.collect()
             baseline = memory.current_bytes(device)  # what was there before: not this run's
             model = build()
+            # host copies (np.array copies: a CPU tensor's buffer is not kept alive)
+            saved = [(variable, np.array(variable.numpy())) for variable in model.variables]
             shape = tuple(model.inputs[0].shape[1:])
             classes = int(model.outputs[0].shape[-1] or 1)
             rng = np.random.default_rng(0)
@@ -54,7 +62,9 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                 trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
                 trained.micro_batch_size = configuration.micro_batch_size
             else:
-                trained = model
+                # the same layers in a model of their own: the caller's model
+                # keeps its optimizer and compile settings
+                trained = keras.Model(model.inputs, model.outputs, name=model.name)
                 trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
             try:
                 trained.fit(tf.data.Dataset.from_tensors(batch), verbose=0)  # builds, compiles
@@ -68,11 +78,14 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                 }
             except tf.errors.ResourceExhaustedError:
                 entry = {"peak_bytes": None, "samples_per_second": None, "error": "out of memory"}
+            finally:
+                for variable, value in saved:
+                    variable.assign(value)
             if kind == "kvram":
                 results.update(entry)
             else:
                 results["plain"] = entry
-            del model, trained
+            del model, trained, saved
             gc.collect()
         return results
     finally:
