@@ -17,7 +17,10 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 if "tensorflow" not in _sys.modules:
     _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-from kvram import _quiet  # noqa: E402
+from kvram import _plan_process, _quiet  # noqa: E402
+
+if _plan_process.wanted():  # `kvram plan`'s process that waits on its child: no TensorFlow
+    _sys.exit(_plan_process.main())
 
 _quiet.import_tensorflow_quietly()  # the `kvram` command only; see kvram/_quiet.py
 

@@ -225,6 +225,47 @@ def test_the_command_prints_no_tensorflow_log_lines_unless_verbose(tmp_path):
     assert code == 1 and err == f"kvram shards inspect: {tmp_path / 'missing'}: no such shard directory\n"
 
 
+@pytest.mark.slow
+def test_plan_waits_on_its_child_without_importing_tensorflow():
+    """`kvram plan`'s own process, which only waits on the estimate's child,
+    imports no TensorFlow (kvram/_plan_process.py): -X importtime lists the
+    modules the command's process imported (its child runs without it)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kvram", "plan", "--model", "tests.test_plan:small_model",
+         "--batch-size", "16", "--gpu-memory", "1GB", "--precision", "float32", "--micro-batch-sizes", "none",
+         "--isolate", "always"],
+        capture_output=True, text=True, env=env, cwd=root, timeout=300,
+    )
+    assert done.returncode == 0 and "<- recommended" in done.stdout, done.stderr[-3000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert "kvram._plan_process" in imported, imported
+    heavy = [m for m in imported if m.split(".")[0] in ("tensorflow", "keras", "numpy")]
+    assert not heavy, heavy
+    others = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert not any("oneDNN" in line or "absl" in line for line in others), others
+
+
+def test_only_plan_with_its_estimate_in_a_child_skips_tensorflow(monkeypatch):
+    from kvram import _plan_process
+
+    monkeypatch.setattr(_plan_process, "visible_gpus", lambda: [])
+    command = ["/venv/bin/kvram"]
+    assert _plan_process.wanted([*command, "plan", "--model", "m", "--isolate", "always"])
+    assert _plan_process.wanted(["-m", "--verbose", "plan", "--isolate=always", "--model", "m"])
+    assert not _plan_process.wanted([*command, "plan", "--model", "m"])  # auto, no GPU: in this process
+    assert not _plan_process.wanted([*command, "plan", "--isolate", "never"])
+    assert not _plan_process.wanted([*command, "plan", "--isolate", "always", "--plan-child", "x"])  # the child
+    assert not _plan_process.wanted([*command, "plan", "--isolate", "always", "--help"])
+    assert not _plan_process.wanted([*command, "info", "--isolate", "always"])
+    assert not _plan_process.wanted(["train.py", "plan", "--isolate", "always"])  # not the command
+    monkeypatch.setattr(_plan_process, "visible_gpus", lambda: ["0"])
+    assert _plan_process.wanted([*command, "plan", "--model", "m"])  # auto with a GPU
+
+
 def test_quieting_is_for_the_command_alone():
     from kvram import _quiet
 

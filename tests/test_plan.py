@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from kvram import cli, remat
+from kvram import _plan_process, cli, remat
 from tests.helpers import in_own_process, residual_model
 
 
@@ -364,10 +364,10 @@ def test_a_checks_file_keeps_each_check_and_the_next_estimate_reuses_them(tmp_pa
 
 def test_a_checks_file_keeps_a_check_out_of_memory_as_such(tmp_path):
     path = str(tmp_path / "checks.json")
-    store = remat._checker.CheckStore(path, lambda message: None)
+    store = _plan_process.CheckStore(path, lambda message: None)
     store.put("a", remat._check._OutOfMemory(1234))
     store.put("b", 5678)
-    again = remat._checker.CheckStore(path, lambda message: None)
+    again = _plan_process.CheckStore(path, lambda message: None)
     assert isinstance(again.get("a"), remat._check._OutOfMemory) and int(again.get("a")) == 1234
     assert again.get("b") == 5678 and not isinstance(again.get("b"), remat._check._OutOfMemory)
     assert again.get("c") is None
@@ -443,16 +443,16 @@ def test_a_check_that_processes_died_in_twice_is_out_of_memory(tmp_path, monkeyp
     def process():  # what a new process's estimate makes: the store read from the file
         batches = {8: _checker._batch(model, (32, 32, 3), 8)}
         return _checker.Checker(model, chain, batches, None, False, True, logs.append,
-                                _checker.CheckStore(path), ("float32",)).at(8)
+                                _plan_process.CheckStore(path), ("float32",)).at(8)
 
     for died in (1, 2):
         with pytest.raises(Died):
             process()(())
-        kept = _checker.CheckStore(path)
+        kept = _plan_process.CheckStore(path)
         assert kept.died(next(iter(kept.started))) == died and kept.progress() == died
     peak = process()(())  # not run a third time
     assert isinstance(peak, _check._OutOfMemory) and len(ran) == 2
-    kept = _checker.CheckStore(path)
+    kept = _plan_process.CheckStore(path)
     assert kept.started == {} and len(kept.checks) == 1 and kept.progress() == 2
     assert "out of memory" in logs[-1] and "the process died in it 2 time(s) before" in logs[-1], logs
 
@@ -477,7 +477,7 @@ def test_cli_plan_child_killed_after_it_finished_is_not_started_again(tmp_path, 
     def finished_then_killed(command):
         calls.append(command)
         path, run = command[command.index("--checks-file") + 1], command[command.index("--plan-child") + 1]
-        remat._checker.CheckStore(path).finish(run, 0)
+        _plan_process.CheckStore(path).finish(run, 0)
         return -6
 
     monkeypatch.setattr(subprocess, "call", finished_then_killed)

@@ -1,24 +1,19 @@
 """`kvram plan`: will a model fit this GPU, and how (`kvram.remat.estimate`), its
 estimate run in a child process started again from its kept checks when
-TensorFlow aborts it."""
+TensorFlow aborts it (`kvram._plan_process`)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import uuid
 
 import keras
 import tensorflow as tf
 
-from kvram import remat
-from kvram.parallel import _launch
-from kvram.remat._checker import CheckStore
+from kvram import _plan_process, remat
+from kvram._plan_process import CheckStore
 
 
 def _model_builder(spec: str, input_shape, classes: int):
@@ -47,12 +42,6 @@ def _model_builder(spec: str, input_shape, classes: int):
     return lambda: constructor(weights=None, input_shape=input_shape, classes=classes)
 
 
-# How many times `kvram plan` starts its estimate's process again after it was
-# killed by a signal, each time only if it had made a new check or died in one
-# (a check out of memory that aborts the process costs two: CheckStore).
-_PLAN_RESTARTS = 8
-
-
 def _plan(args) -> int:
     try:
         memory_bytes = remat.parse_bytes(args.gpu_memory) if args.gpu_memory else None
@@ -68,8 +57,10 @@ def _plan(args) -> int:
             f"kvram plan: --micro-batch-sizes: {args.micro_batch_sizes!r}. Allowed: comma-separated "
             'row counts (e.g. 128,64), or "none" for whole batches only'
         ) from None
-    if args.isolate == "always" or (args.isolate == "auto" and _launch.visible_gpus()):
-        return _plan_in_child(args)
+    if args.isolate == "always" or (args.isolate == "auto" and _plan_process.visible_gpus()):
+        # (the `kvram` command gets here only from kvram/__init__'s test of the
+        # same; main() called from Python comes here)
+        return _plan_process.supervise(args.argv, args.checks_file)
     if args.limit_gpu:
         try:
             if not limit_gpu(memory_bytes):
@@ -127,58 +118,3 @@ def limit_gpu(memory_bytes: int) -> bool:
     tf.config.set_logical_device_configuration(
         gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_bytes // 2**20)])
     return True
-
-
-def _kept_checks(path: str):
-    """The checks file at `path` as `kvram.remat.estimate` reads it; empty where there is
-    none yet or it is not one (the child then refuses it and says why)."""
-    try:
-        return CheckStore(path)
-    except ValueError:
-        return CheckStore(None)
-
-
-def _plan_in_child(args) -> int:
-    """Runs this `kvram plan` in a child process that keeps its checks in a
-    file, and starts it again from them when a signal kills it: TensorFlow's
-    GPU allocator can abort the process after a step that ran out of memory
-    (`bfc_allocator.cc ... Check failed: h != kInvalidChunkHandle`, seen on an
-    H200 limited to 8 GiB: benchmarks/results/plan_h200/README.md), and the
-    checks made before are not made again (one that ran out of memory is
-    kept as such)."""
-    own = args.checks_file is None
-    path = args.checks_file or os.path.join(tempfile.mkdtemp(prefix="kvram-plan-"), "checks.json")
-    run = uuid.uuid4().hex
-    command = [sys.executable, "-m", "kvram", *args.argv, "--isolate", "never", "--checks-file", path,
-               "--plan-child", run]
-    for restart in range(_PLAN_RESTARTS + 1):
-        kept = _kept_checks(path)
-        before, progress = len(kept.checks), kept.progress()
-        code = subprocess.call(command)
-        finished = _kept_checks(path).finished or {}
-        if code < 0 and finished.get("run") == run:  # killed after it had finished
-            print(f"kvram plan: the estimate's process {_launch._describe(code)} after it finished", file=sys.stderr)
-            code = finished["code"]
-        if code >= 0:  # it ended by itself: the estimate done, or refused
-            if own:
-                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-            return code
-        kept = _kept_checks(path)
-        made = len(kept.checks)
-        # a process that died in a check goes on: the check is tried again, and
-        # taken as out of memory once a process has died in it twice
-        if kept.progress() == progress or restart == _PLAN_RESTARTS:
-            why = ("with no new check since it started" if kept.progress() == progress
-                   else f"{restart + 1} times")
-            print(f"kvram plan: the estimate's process {_launch._describe(code)} {why}; stopped. Its {made} "
-                  f"check(s) are kept in {path}: `kvram plan ... --checks-file {path}` goes on from them.",
-                  file=sys.stderr, flush=True)
-            return 1
-        during = (", in the check after them (tried again: one that a process dies in twice is out of "
-                  "memory)" if kept.started else "")
-        print(f"kvram plan: the estimate's process {_launch._describe(code)} after {made - before} new check(s)"
-              f"{during} "
-              "(TensorFlow's GPU allocator can abort a process after a step that ran out of memory); "
-              f"starting it again from the {made} check(s) kept in {path} "
-              f"(restart {restart + 1} of at most {_PLAN_RESTARTS})", file=sys.stderr, flush=True)
-    return 1

@@ -28,6 +28,8 @@ import sys
 import threading
 import time
 
+from kvram._plan_process import describe_exit, visible_gpus
+
 __all__ = ["launch", "free_ports", "visible_gpus"]
 
 ATTEMPT = "KVRAM_LAUNCH_ATTEMPT"  # set in each worker: 0 first, then 1 after a restart, ...
@@ -43,24 +45,6 @@ def free_ports(count: int) -> list:
     finally:
         for s in sockets:
             s.close()
-
-
-def visible_gpus() -> list:
-    """The GPU ids a worker may be given: `CUDA_VISIBLE_DEVICES`'s entries when it
-    is set, else every GPU NVML counts (none without a driver or nvidia-ml-py)."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML library, no driver, no GPU: the workers use the CPU
-        return []
 
 
 def _gpus_for(workers: int, gpus) -> list:
@@ -126,15 +110,6 @@ def _stop(processes, grace_seconds: float) -> None:
             p.wait()
 
 
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 def _attempt(command, environments, attempt: int, grace_seconds: float, out, lock) -> tuple:
     """Runs the workers once; returns (exit code, index of the failed worker or None)."""
     processes, relays = [], []
@@ -150,7 +125,7 @@ def _attempt(command, environments, attempt: int, grace_seconds: float, out, loc
             codes = [p.poll() for p in processes]
             failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None:
-                _say(out, lock, f"[kvram launch] worker {failed} {_describe(codes[failed])}: stopping the others\n")
+                _say(out, lock, f"[kvram launch] worker {failed} {describe_exit(codes[failed])}: stopping the others\n")
                 _stop(processes, grace_seconds)
                 code = codes[failed]
                 return (128 - code if code < 0 else code), failed

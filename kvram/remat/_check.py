@@ -13,6 +13,7 @@ import tensorflow as tf
 from keras import tree
 
 from kvram import memory
+from kvram._plan_process import _OutOfMemory
 from kvram.remat._profile import peak_steps
 from kvram.remat._segments import _groups, rebuild
 
@@ -130,14 +131,6 @@ def _step_check(model, chain, x, y, loss_fn, device, jit):
 
 # Traces a plan's reported peaks are the lower of, under one op order (`settled` above).
 _TRACES = 2
-
-
-class _OutOfMemory(int):
-    """A checked step that ran out of the device's memory: the bytes free when
-    it started (a lower bound of its peak)."""
-
-    def __repr__(self) -> str:
-        return f"_OutOfMemory(at least {int(self):,})"
 
 
 def _step_peak(model, x, y, loss_fn, device, jit) -> int:

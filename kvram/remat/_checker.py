@@ -7,7 +7,6 @@ from them."""
 from __future__ import annotations
 
 import json
-import os
 
 import keras
 import numpy as np
@@ -124,73 +123,6 @@ class Checker:
 # A check the process died in this many times (each in a process of its own) is
 # out of memory: once may be the aftermath of an earlier step out of memory.
 _DIED_OUT_OF_MEMORY = 2
-
-
-class CheckStore:
-    """Checks' results kept in a JSON file (`estimate`'s checks_file), each
-    written as soon as it is made (to a temporary file, then renamed: a
-    process killed while writing leaves the previous file whole). Without a
-    file, nothing is kept. `started`: the checks begun and not ended, each
-    with the times a process began it and the memory free when it did (a
-    process that dies in a check leaves it there). `finished`: which `kvram
-    plan` child process finished the estimate, and its exit code (`finish`)."""
-
-    def __init__(self, path, log=None):
-        self.path, self.checks, self.started, self.finished, self.begun = path, {}, {}, None, 0
-        if path and os.path.exists(path):
-            try:
-                with open(path) as f:
-                    saved = json.load(f)
-                self.checks, self.finished = dict(saved["checks"]), saved.get("finished")
-                self.started, self.begun = dict(saved.get("started", {})), int(saved.get("begun", 0))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-                raise ValueError(
-                    f"checks_file {path!r} is not a checks file kvram wrote ({error}). "
-                    "Allowed: a file an earlier estimate wrote, or a path not yet there."
-                ) from None
-            if log is not None:
-                log(f"{len(self.checks)} check(s) read from {path}")
-
-    def get(self, key):
-        """The check kept under `key` (`_Checker`'s), or None."""
-        value = self.checks.get(key)
-        if value is None:
-            return None
-        return _OutOfMemory(value["out_of_memory"]) if isinstance(value, dict) else int(value)
-
-    def put(self, key, peak):
-        self.checks[key] = {"out_of_memory": int(peak)} if isinstance(peak, _OutOfMemory) else int(peak)
-        self.started.pop(key, None)
-        self._save()
-
-    def start(self, key, floor):
-        """Says that the check `key` begins, with `floor` bytes free."""
-        self.started[key] = {"times": self.died(key) + 1, "floor": int(floor)}
-        self.begun += 1
-        self._save()
-
-    def died(self, key) -> int:
-        """Times a process began the check `key` and did not end it."""
-        return self.started.get(key, {}).get("times", 0)
-
-    def progress(self) -> int:
-        """Checks begun so far, by every process (ended or died in): what
-        `kvram plan` counts to start a process again."""
-        return self.begun
-
-    def finish(self, run, code):
-        """Says that the process `run` finished the estimate with exit `code`."""
-        self.finished = {"run": run, "code": code}
-        self._save()
-
-    def _save(self):
-        if not self.path:
-            return
-        partial = f"{self.path}.partial"
-        with open(partial, "w") as f:
-            json.dump({"kvram_checks": 1, "checks": self.checks, "started": self.started,
-                       "begun": self.begun, "finished": self.finished}, f, indent=1)
-        os.replace(partial, self.path)
 
 
 def _batch(model, shape, rows):

@@ -48,7 +48,8 @@ from kvram import memory
 from kvram.remat import _check as checking
 from kvram.remat import _plan
 from kvram.remat import _profile as profiling
-from kvram.remat._checker import Checker, CheckStore, _batch, _size
+from kvram._plan_process import CheckStore
+from kvram.remat._checker import Checker, _batch, _size
 from kvram.remat._segments import _functional, segments
 
 

@@ -1,0 +1,227 @@
+"""The `kvram plan` command's own process when its estimate runs in a child
+(`--isolate`, on a machine with a GPU by default): it starts the child, and
+starts it again from the checks kept in the checks file when a signal kills it
+(TensorFlow's GPU allocator can abort a process after a step that ran out of
+memory: `bfc_allocator.cc ... Check failed: h != kInvalidChunkHandle`, seen on
+an H200 limited to 8 GiB, benchmarks/results/plan_h200/README.md).
+
+This process only waits, so it imports nothing of TensorFlow: `kvram/__init__`
+hands the command to `main()` here before it imports anything else. Importing
+TensorFlow and starting CUDA there, only to wait, cost about 10 s of `kvram
+plan`'s 76 s for ResNet50 on an H200 (benchmarks/results/plan_minute_h200/).
+
+Also here, for the same reason (no TensorFlow): the checks file (`CheckStore`,
+which `kvram.remat`'s checker writes and this process reads), which GPUs are
+visible (NVML), and how a child process ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+
+from kvram import _quiet
+
+
+class _OutOfMemory(int):
+    """A checked step that ran out of the device's memory: the bytes free when
+    it started (a lower bound of its peak)."""
+
+    def __repr__(self) -> str:
+        return f"_OutOfMemory(at least {int(self):,})"
+
+
+class CheckStore:
+    """Checks' results kept in a JSON file (`estimate`'s checks_file), each
+    written as soon as it is made (to a temporary file, then renamed: a
+    process killed while writing leaves the previous file whole). Without a
+    file, nothing is kept. `started`: the checks begun and not ended, each
+    with the times a process began it and the memory free when it did (a
+    process that dies in a check leaves it there). `finished`: which `kvram
+    plan` child process finished the estimate, and its exit code (`finish`)."""
+
+    def __init__(self, path, log=None):
+        self.path, self.checks, self.started, self.finished, self.begun = path, {}, {}, None, 0
+        if path and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    saved = json.load(f)
+                self.checks, self.finished = dict(saved["checks"]), saved.get("finished")
+                self.started, self.begun = dict(saved.get("started", {})), int(saved.get("begun", 0))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                raise ValueError(
+                    f"checks_file {path!r} is not a checks file kvram wrote ({error}). "
+                    "Allowed: a file an earlier estimate wrote, or a path not yet there."
+                ) from None
+            if log is not None:
+                log(f"{len(self.checks)} check(s) read from {path}")
+
+    def get(self, key):
+        """The check kept under `key` (`_Checker`'s), or None."""
+        value = self.checks.get(key)
+        if value is None:
+            return None
+        return _OutOfMemory(value["out_of_memory"]) if isinstance(value, dict) else int(value)
+
+    def put(self, key, peak):
+        self.checks[key] = {"out_of_memory": int(peak)} if isinstance(peak, _OutOfMemory) else int(peak)
+        self.started.pop(key, None)
+        self._save()
+
+    def start(self, key, floor):
+        """Says that the check `key` begins, with `floor` bytes free."""
+        self.started[key] = {"times": self.died(key) + 1, "floor": int(floor)}
+        self.begun += 1
+        self._save()
+
+    def died(self, key) -> int:
+        """Times a process began the check `key` and did not end it."""
+        return self.started.get(key, {}).get("times", 0)
+
+    def progress(self) -> int:
+        """Checks begun so far, by every process (ended or died in): what
+        `kvram plan` counts to start a process again."""
+        return self.begun
+
+    def finish(self, run, code):
+        """Says that the process `run` finished the estimate with exit `code`."""
+        self.finished = {"run": run, "code": code}
+        self._save()
+
+    def _save(self):
+        if not self.path:
+            return
+        partial = f"{self.path}.partial"
+        with open(partial, "w") as f:
+            json.dump({"kvram_checks": 1, "checks": self.checks, "started": self.started,
+                       "begun": self.begun, "finished": self.finished}, f, indent=1)
+        os.replace(partial, self.path)
+
+
+def visible_gpus() -> list:
+    """The GPU ids a worker may be given: `CUDA_VISIBLE_DEVICES`'s entries when it
+    is set, else every GPU NVML counts (none without a driver or nvidia-ml-py)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library, no driver, no GPU: the workers use the CPU
+        return []
+
+
+def describe_exit(code: int) -> str:
+    """How a child process ended, from its exit code (negative: a signal)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+# How many times `kvram plan` starts its estimate's process again after it was
+# killed by a signal, each time only if it had made a new check or died in one
+# (a check out of memory that aborts the process costs two: CheckStore).
+RESTARTS = 8
+
+
+def _options(argv: list[str]):
+    """(the command's name, the few `kvram plan` options this process reads)
+    from the arguments after the program's name; the command's own parser
+    (kvram.cli) reads them all, in the child."""
+    words = [a for a in argv if a != "--verbose"]
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--isolate", default="auto")
+    parser.add_argument("--checks-file", default=None)
+    parser.add_argument("--plan-child", default=None)
+    parser.add_argument("-h", "--help", action="store_true")
+    known, _ = parser.parse_known_args(words[1:])
+    return (words[0] if words else None), known
+
+
+def wanted(argv: list[str] | None = None) -> bool:
+    """Whether this process is `kvram plan`'s waiting one: the `kvram` command
+    (see `kvram._quiet.launched_as_command`) running `plan`, not as the child,
+    with its estimate to run in a child (`--isolate always`, or auto with a
+    GPU visible). False for `--help` and anything the parser would refuse,
+    which the command's own parser then reports."""
+    argv = sys.argv if argv is None else argv
+    if not _quiet.launched_as_command(argv):
+        return False
+    name, known = _options(argv[1:])
+    if name != "plan" or known.plan_child is not None or known.help:
+        return False
+    return known.isolate == "always" or (known.isolate == "auto" and bool(visible_gpus()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kvram plan` as the waiting process (`wanted`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _, known = _options(argv)
+    return supervise(argv, known.checks_file)
+
+
+def _kept_checks(path: str) -> CheckStore:
+    """The checks file at `path` as the estimate reads it; empty where there is
+    none yet or it is not one (the child then refuses it and says why)."""
+    try:
+        return CheckStore(path)
+    except ValueError:
+        return CheckStore(None)
+
+
+def supervise(argv: list[str], checks_file: str | None) -> int:
+    """Runs `kvram plan` with these arguments in a child process that keeps
+    its checks in a file, and starts it again from them when a signal kills
+    it; the checks made before are not made again (one that ran out of memory
+    is kept as such). The child's exit code."""
+    own = checks_file is None
+    path = checks_file or os.path.join(tempfile.mkdtemp(prefix="kvram-plan-"), "checks.json")
+    run = uuid.uuid4().hex
+    command = [sys.executable, "-m", "kvram", *argv, "--isolate", "never", "--checks-file", path,
+               "--plan-child", run]
+    for restart in range(RESTARTS + 1):
+        kept = _kept_checks(path)
+        before, progress = len(kept.checks), kept.progress()
+        code = subprocess.call(command)
+        finished = _kept_checks(path).finished or {}
+        if code < 0 and finished.get("run") == run:  # killed after it had finished
+            print(f"kvram plan: the estimate's process {describe_exit(code)} after it finished", file=sys.stderr)
+            code = finished["code"]
+        if code >= 0:  # it ended by itself: the estimate done, or refused
+            if own:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+            return code
+        kept = _kept_checks(path)
+        made = len(kept.checks)
+        # a process that died in a check goes on: the check is tried again, and
+        # taken as out of memory once a process has died in it twice
+        if kept.progress() == progress or restart == RESTARTS:
+            why = ("with no new check since it started" if kept.progress() == progress
+                   else f"{restart + 1} times")
+            print(f"kvram plan: the estimate's process {describe_exit(code)} {why}; stopped. Its {made} "
+                  f"check(s) are kept in {path}: `kvram plan ... --checks-file {path}` goes on from them.",
+                  file=sys.stderr, flush=True)
+            return 1
+        during = (", in the check after them (tried again: one that a process dies in twice is out of "
+                  "memory)" if kept.started else "")
+        print(f"kvram plan: the estimate's process {describe_exit(code)} after {made - before} new check(s)"
+              f"{during} "
+              "(TensorFlow's GPU allocator can abort a process after a step that ran out of memory); "
+              f"starting it again from the {made} check(s) kept in {path} "
+              f"(restart {restart + 1} of at most {RESTARTS})", file=sys.stderr, flush=True)
+    return 1
