@@ -7,6 +7,8 @@
 #   bash benchmarks/plan/minute.sh resnet50 vit_b16 convnext_small [--measure]
 set -u
 source /tmp/tf-env.sh || exit 1
+# as a user runs it: tf-env.sh sets TF_CPP_MIN_LOG_LEVEL, which kvram leaves to the user (kvram/_quiet.py)
+unset TF_CPP_MIN_LOG_LEVEL
 out=${OUT:-/tmp/plan_minute}
 mkdir -p "$out"
 summary="$out/minute_summary.txt"

@@ -66,8 +66,10 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                 # keeps its optimizer and compile settings
                 trained = keras.Model(model.inputs, model.outputs, name=model.name)
                 trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
+            stepped = False
             try:
                 trained.fit(tf.data.Dataset.from_tensors(batch), verbose=0)  # builds, compiles
+                stepped = True
                 memory.reset_peak(device)
                 start = time.perf_counter()
                 trained.fit(tf.data.Dataset.from_tensors(batch).repeat(steps), verbose=0)
@@ -79,8 +81,15 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
             except tf.errors.ResourceExhaustedError:
                 entry = {"peak_bytes": None, "samples_per_second": None, "error": "out of memory"}
             finally:
-                for variable, value in saved:
-                    variable.assign(value)
+                # A first step out of memory under XLA (a GPU's default) updated
+                # nothing, and after it TensorFlow's
+                # GPU allocator aborted the process in the next assignment to a
+                # variable (bfc_allocator.cc:808 `c->in_use()` in AssignVariableOp,
+                # plain Keras's ResNet50 at batch 256 under 8GB on an H200): the
+                # variables are put back only after steps ran.
+                if stepped:
+                    for variable, value in saved:
+                        variable.assign(value)
             if kind == "kvram":
                 results.update(entry)
             else:
