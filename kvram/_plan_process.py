@@ -6,9 +6,10 @@ memory: `bfc_allocator.cc ... Check failed: h != kInvalidChunkHandle`, seen on
 an H200 limited to 8 GiB, benchmarks/results/plan_h200/README.md).
 
 This process only waits, so it imports nothing of TensorFlow: `kvram/__init__`
-hands the command to `main()` here before it imports anything else. Importing
-TensorFlow and starting CUDA there, only to wait, cost about 10 s of `kvram
-plan`'s 76 s for ResNet50 on an H200 (benchmarks/results/plan_minute_h200/).
+hands the command to `main()` here before it imports anything else. In
+back-to-back runs on one H200, ResNet50's `kvram plan` took 63.4 s so against
+77.1 s with TensorFlow imported and CUDA started here only to wait
+(benchmarks/results/plan_minute_h200/README.md).
 
 Also here, for the same reason (no TensorFlow): the checks file (`CheckStore`,
 which `kvram.remat`'s checker writes and this process reads), which GPUs are
