@@ -211,6 +211,33 @@ def test_cli_plan_measure(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_cli_plan_measure_leaves_out_plain_keras_estimated_out_of_memory(tmp_path, capsys, monkeypatch):
+    # batch 64 under 32 MiB (28.8 planned): the whole batch without recomputation is
+    # predicted at ~72 MiB, over twice that, and is not checked; 16-row slices fit
+    trained = []
+    measure = remat.measure
+
+    def recording(*args, **kwargs):
+        trained.append(kwargs)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(remat, "measure", recording)
+    out = tmp_path / "plan.json"
+    code = cli.main([
+        "plan", "--model", "tests.test_plan:small_model", "--batch-size", "64", "--gpu-memory", "32MiB",
+        "--precision", "float32", "--measure", "--steps", "2", "--isolate", "never", "--json", str(out),
+    ])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads(out.read_text())
+    plain = [c for c in report["configurations"] if c["micro_batch_size"] is None and c["remat"] == "none"]
+    assert len(plain) == 1 and not plain[0]["fits"] and "over the limit" in plain[0]["not_checked"], plain
+    assert trained == [{"optimizer": "adam", "steps": 2, "plain": False}]
+    assert "plain Keras not run (out of memory as estimated: predicted" in printed, printed
+    assert report["measured"]["plain"]["peak_bytes"] is None and report["measured"]["samples_per_second"] > 0
+
+
+@pytest.mark.slow
 def test_cli_plan_module_function_and_keras_file(tmp_path, capsys):
     assert cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "16",
                      "--gpu-memory", "1GB", "--precision", "float32"]) == 0

@@ -89,9 +89,19 @@ def _plan(args) -> int:
     print(found, flush=True)
     save()
     if args.measure and found.recommended is not None:
+        # Plain Keras is trained beside the recommendation unless the estimate did not
+        # check it (predicted over twice the limit): a compiled step that runs out of the
+        # GPU's memory takes a compile's time, and TensorFlow's allocator can abort the
+        # process after it (benchmarks/results/plan_minute_h200/README.md).
+        plain = found.plain_configuration()
+        skipped = plain.not_checked if plain is not None else None
         found.measured = remat.measure(
-            build, found.recommended, args.batch_size, optimizer=args.optimizer, steps=args.steps
+            build, found.recommended, args.batch_size, optimizer=args.optimizer, steps=args.steps,
+            plain=skipped is None,
         )
+        if skipped is not None:
+            found.measured["plain"] = {"peak_bytes": None, "samples_per_second": None,
+                                       "error": f"not run (out of memory as estimated: {skipped})"}
         print(found.measured_line())
         save()
     code = 0 if found.recommended is not None else 1

@@ -92,6 +92,8 @@ class Configuration:
     # device's memory (the peak is then a lower bound, and it does not fit).
     predicted_by: str = "executor"
     executor_peak_bytes: int | None = None
+    # Why the row was not checked (its prediction alone says it does not fit), or None.
+    not_checked: str | None = None
 
 
 @dataclasses.dataclass
@@ -158,6 +160,14 @@ class Estimate:
         if self.measured:
             rows.append(self.measured_line())
         return "\n".join(rows)
+
+    def plain_configuration(self) -> Configuration | None:
+        """The row of plain Keras in the recommended precision: the whole batch,
+        nothing recomputed (None without a recommendation)."""
+        if self.recommended is None:
+            return None
+        return next((c for c in self.configurations if c.precision == self.recommended.precision
+                     and c.micro_batch_size is None and c.remat == "none"), None)
 
     def measured_line(self) -> str:
         """What `measure` found for the recommendation (`measured`), in a line."""
@@ -405,7 +415,7 @@ def _first_that_fits(configurations, checker, batch_size, limit, log):
         else:
             why = None
         if why is not None:
-            c.fits = False
+            c.fits, c.not_checked = False, why
             log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, {why}")
             continue
         keras.config.set_dtype_policy(c.precision)
