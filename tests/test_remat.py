@@ -790,3 +790,29 @@ def test_peaks_are_one_step_in_one_op_order_and_the_highest_of_three_otherwise()
     with one_op_order():
         assert peak_steps() == 1
     assert peak_steps() == 3
+
+
+def _op_types(device, layer, x):
+    from kvram.remat._profile import native_grouped_convolutions
+
+    step = tf.function(lambda t: layer(t), autograph=False)
+    with native_grouped_convolutions(device):
+        graph = step.get_concrete_function(x).graph
+    return {op.type for op in graph.get_operations()}
+
+
+def test_profile_runs_grouped_convolutions_as_tensorflow_ops_on_a_gpu_only():
+    """Keras compiles each grouped convolution as an XLA function of its own on
+    every device (keras-team/keras#18180); in the cut-by-cut measurement on a GPU
+    (a graph-executor step) each was a compile of its own. Traced as for a GPU
+    the convolution is TensorFlow's Conv2D op; as for the CPU, Keras's function."""
+    from keras.src.backend.tensorflow import nn
+
+    keras_conv = nn.conv
+    x = tf.random.normal((2, 8, 8, 8))
+    grouped, whole = keras.layers.Conv2D(8, 3, groups=4), keras.layers.Conv2D(8, 3)
+    assert "Conv2D" in _op_types("GPU:0", grouped, x)
+    assert "Conv2D" not in _op_types("CPU:0", grouped, x)
+    assert "StatefulPartitionedCall" in _op_types("CPU:0", grouped, x)
+    assert "Conv2D" in _op_types("GPU:0", whole, x) and "Conv2D" in _op_types("CPU:0", whole, x)
+    assert nn.conv is keras_conv  # put back

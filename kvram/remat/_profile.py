@@ -3,6 +3,7 @@ it is, measured cut by cut by probes that read TensorFlow's allocator."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -99,8 +100,48 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
 
 
 def _profile(model, chain, x, y, loss_fn, device):
-    with memory.state_kept(model):  # the steps move BatchNormalization statistics and seeds
+    # the steps move BatchNormalization statistics and seeds
+    with memory.state_kept(model), native_grouped_convolutions(device):
         return _profile_steps(model, chain, x, y, loss_fn, device)
+
+
+@contextlib.contextmanager
+def native_grouped_convolutions(device):
+    """Within, on a GPU, functions traced run Keras's grouped convolutions
+    (`Conv2D(groups > 1)`: ConvNeXt's depthwise 7x7, ResNeXt, RegNet) as
+    TensorFlow's own op, as they run on a GPU without XLA.
+
+    Keras's TensorFlow backend compiles every grouped convolution as an XLA
+    function of its own on every device, a workaround for TensorFlow's CPU
+    kernels (keras/src/backend/tensorflow/nn.py `conv`, "grouped convolutions
+    are broken on CPU without XLA"; keras-team/keras#18180 asks to limit it
+    to the CPU). In a graph-executor step, as the cut-by-cut measurement is,
+    that is one XLA compile per convolution and per gradient: ConvNeXtSmall's
+    measurement at 16 and 32 rows took 99.6-117.8 s on an H200
+    (benchmarks/results/plan_minute_h200/). Under a jit-compiled step (a
+    GPU's training, the checks) the functions are inlined and nothing
+    changes. On the CPU, where the workaround is needed, nothing is changed."""
+    if not device.startswith("GPU"):
+        yield
+        return
+    from keras.src.backend.tensorflow import nn
+
+    keras_conv = nn.conv
+
+    def conv(inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
+        data_format = nn.backend.standardize_data_format(data_format)
+        channels = inputs.shape[-1] if data_format == "channels_last" else inputs.shape[1]
+        if channels == kernel.shape[-2] or (data_format == "channels_first" and len(inputs.shape) == 5):
+            return keras_conv(inputs, kernel, strides, padding, data_format, dilation_rate)
+        return tf.nn.convolution(inputs, kernel, strides, padding.upper(),
+                                 data_format=nn._convert_data_format(data_format, len(inputs.shape)),
+                                 dilations=dilation_rate)
+
+    nn.conv = conv
+    try:
+        yield
+    finally:
+        nn.conv = keras_conv
 
 
 def _profile_steps(model, chain, x, y, loss_fn, device):
