@@ -16,7 +16,7 @@ The recommended configuration is the first that fits in this order: mixed
 precision before float32 (the order of `precisions`), then the least
 predicted step time (fewer slices first at equal time). A precision is
 measured only when none before it has a configuration that fits (each is a
-model built and measured at the probe batches: on an H200, 99.6 s for
+model built and measured at the probe batches: on an H200, 38.4 s for
 ConvNeXtSmall at batch 128, benchmarks/results/plan_minute_h200/), unless
 `every_precision` asks for the whole table.
 
