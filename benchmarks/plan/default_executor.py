@@ -1,0 +1,113 @@
+"""Plans trained in TensorFlow's default executor (the CPU, no XLA), as a user
+trains them: keras.applications.MobileNetV2 at 64x64, batch 16 (the case of
+the issue "kvram plan answers in a minute, and planning never changes the
+user's model", item 3).
+
+Each round builds the model afresh and measures, with Keras's fit() on the
+CPU (jit_compile=False, as Keras compiles on a machine without a GPU):
+- plain Keras;
+- `kvram.remat.plan(model, batch).apply()`: no budget, the least memory;
+- `plan.with_budget(0.7 x the plan's plain prediction).apply()`.
+
+A run's peak is the CPU allocator's peak over 6 steps after a warm-up fit,
+above what was allocated before them (the variables and the optimizer's state
+exist by then), plus the plan's resident bytes (variables, optimizer state,
+batch), so that it compares with the plan's predictions and budget, which
+count them. Writes JSON with every round and the medians.
+
+    python benchmarks/plan/default_executor.py --rounds 3 --out default_executor_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from kvram import memory, remat  # noqa: E402
+
+LOSS = "sparse_categorical_crossentropy"
+
+
+def fit_peak(model, x, y, steps=6) -> int:
+    model.compile(optimizer="adam", loss=LOSS, jit_compile=False)
+    model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), verbose=0)  # builds, traces
+    gc.collect()
+    start = memory.current_bytes("CPU:0")
+    memory.reset_peak("CPU:0")
+    model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(steps), verbose=0)
+    return memory.peak_bytes("CPU:0") - start
+
+
+def one_round(rows, size, fraction):
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.applications.MobileNetV2(weights=None, input_shape=(size, size, 3), classes=10)
+
+    x = np.random.default_rng(0).random((rows, size, size, 3)).astype("float32")
+    y = np.arange(rows) % 10
+    started = time.perf_counter()
+    model = make()
+    least = remat.plan(model, (x, y), loss=LOSS)
+    planned_seconds = time.perf_counter() - started
+    resident = least.resident_bytes
+    budget = int(fraction * least.plain_peak_bytes)
+    chosen = least.with_budget(budget)
+    plain = fit_peak(make(), x, y) + resident
+    none = fit_peak(least.apply(), x, y) + resident
+    budgeted = fit_peak(chosen.apply(), x, y) + resident
+    return {
+        "plan_seconds": planned_seconds,
+        "resident_bytes": resident,
+        "plain_peak_bytes": plain,
+        "plain_predicted_bytes": least.plain_peak_bytes,
+        "no_budget_peak_bytes": none,
+        "no_budget_predicted_bytes": least.predicted_peak_bytes,
+        "no_budget_over_plain": none / plain,
+        "budget_bytes": budget,
+        "budget_predicted_bytes": chosen.predicted_peak_bytes,
+        "budget_peak_bytes": budgeted,
+        "budget_peak_over_budget": budgeted / budget,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--fraction", type=float, default=0.7, help="the budget, as a fraction of plain")
+    parser.add_argument("--out", default="default_executor_cpu.json")
+    args = parser.parse_args(argv)
+    rounds = []
+    for i in range(args.rounds):
+        rounds.append(one_round(args.rows, args.size, args.fraction))
+        r = rounds[-1]
+        print(f"round {i + 1}: no budget {r['no_budget_over_plain']:.3f}x plain "
+              f"({r['no_budget_peak_bytes'] / 2**20:.1f} of {r['plain_peak_bytes'] / 2**20:.1f} MiB); "
+              f"budget {r['budget_bytes'] / 2**20:.1f} MiB: peak {r['budget_peak_over_budget']:.3f}x it", flush=True)
+    medians = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
+    record = {"model": f"keras.applications.MobileNetV2 {args.size}x{args.size}, batch {args.rows}",
+              "device": "CPU:0, default executor, jit_compile=False", "rounds": rounds, "medians": medians,
+              "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+              "python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__,
+              "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    with open(args.out, "w") as handle:
+        json.dump(record, handle, indent=1)
+    print(json.dumps(medians, indent=1))
+
+
+if __name__ == "__main__":
+    main()
