@@ -191,7 +191,7 @@ def test_cli_plan_every_precision_reaches_the_estimate(flag, every, monkeypatch)
 
 
 @pytest.mark.slow
-def test_cli_plan_measure(tmp_path, capsys):
+def test_cli_plan_measure(tmp_path, capsys, recwarn):
     # --measure trains with Keras's fit(), which compiles with XLA on the CPU too: the small
     # residual model here (MobileNetV3Small took 151 s beside the suite on 2 cores)
     out = tmp_path / "plan.json"
@@ -208,6 +208,8 @@ def test_cli_plan_measure(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert sum(c["recommended"] for c in report["configurations"]) == 1
     assert report["measured"]["plain"]["peak_bytes"] > 0
+    # no warning of Keras's about shuffling a dataset (a line in the command's output)
+    assert not [w for w in recwarn if "shuffle" in str(w.message)], [str(w.message) for w in recwarn]
 
 
 @pytest.mark.slow

@@ -68,11 +68,13 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                 trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
             stepped = False
             try:
-                trained.fit(tf.data.Dataset.from_tensors(batch), verbose=0)  # builds, compiles
+                # shuffle=False: a dataset is not shuffled by fit, which otherwise warns so
+                # on every call (a line in `kvram plan --measure`'s output)
+                trained.fit(tf.data.Dataset.from_tensors(batch), verbose=0, shuffle=False)  # builds, compiles
                 stepped = True
                 memory.reset_peak(device)
                 start = time.perf_counter()
-                trained.fit(tf.data.Dataset.from_tensors(batch).repeat(steps), verbose=0)
+                trained.fit(tf.data.Dataset.from_tensors(batch).repeat(steps), verbose=0, shuffle=False)
                 seconds = time.perf_counter() - start
                 entry = {
                     "peak_bytes": memory.peak_bytes(device) - baseline,
