@@ -84,11 +84,11 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                 entry = {"peak_bytes": None, "samples_per_second": None, "error": "out of memory"}
             finally:
                 # A first step out of memory under XLA (a GPU's default) updated
-                # nothing, and after it TensorFlow's
-                # GPU allocator aborted the process in the next assignment to a
-                # variable (bfc_allocator.cc:808 `c->in_use()` in AssignVariableOp,
-                # plain Keras's ResNet50 at batch 256 under 8GB on an H200): the
-                # variables are put back only after steps ran.
+                # nothing, and after it TensorFlow's GPU allocator aborted the
+                # process in the next assignment to a variable (bfc_allocator.cc:808
+                # `c->in_use()` in AssignVariableOp, plain Keras's ResNet50 at batch
+                # 256 under 8GB on an H200): the variables are put back only after
+                # steps ran.
                 if stepped:
                     for variable, value in saved:
                         variable.assign(value)

@@ -109,7 +109,7 @@ def _profile(model, chain, x, y, loss_fn, device):
 def native_grouped_convolutions(device):
     """Within, on a GPU, functions traced run Keras's grouped convolutions
     (`Conv2D(groups > 1)`: ConvNeXt's depthwise 7x7, ResNeXt, RegNet) as
-    TensorFlow's own op, as they run on a GPU without XLA.
+    TensorFlow's own op, which runs them on a GPU without XLA.
 
     Keras's TensorFlow backend compiles every grouped convolution as an XLA
     function of its own on every device, a workaround for TensorFlow's CPU
