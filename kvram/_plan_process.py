@@ -166,7 +166,13 @@ def wanted(argv: list[str] | None = None) -> bool:
     name, known = _options(argv[1:])
     if name != "plan" or known.plan_child is not None or known.help:
         return False
-    return known.isolate == "always" or (known.isolate == "auto" and bool(visible_gpus()))
+    return in_child(known.isolate)
+
+
+def in_child(isolate: str) -> bool:
+    """Whether `kvram plan --isolate ISOLATE` runs its estimate in a child
+    process: "always", or "auto" with a GPU visible."""
+    return isolate == "always" or (isolate == "auto" and bool(visible_gpus()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,9 +57,9 @@ def _plan(args) -> int:
             f"kvram plan: --micro-batch-sizes: {args.micro_batch_sizes!r}. Allowed: comma-separated "
             'row counts (e.g. 128,64), or "none" for whole batches only'
         ) from None
-    if args.isolate == "always" or (args.isolate == "auto" and _plan_process.visible_gpus()):
-        # (the `kvram` command gets here only from kvram/__init__'s test of the
-        # same; main() called from Python comes here)
+    if _plan_process.in_child(args.isolate):
+        # (the `kvram` command is handed to _plan_process by kvram/__init__ before
+        # it gets here; main() called from Python comes here)
         return _plan_process.supervise(args.argv, args.checks_file)
     if args.limit_gpu:
         try:
