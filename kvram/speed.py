@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import keras
 
+from kvram.layers import attention
 from kvram.layers.batch_norm import FusedBatchNormalization
 from kvram.layers.lean import LeanLayerNormalization, lean_gelu
 
-__all__ = ["fuse_batch_norm", "lean_activations", "pin_host_memory", "host_memory_pinned"]
+__all__ = ["efficient_attention", "fuse_batch_norm", "lean_activations", "pin_host_memory", "host_memory_pinned"]
 
 # `import kvram` pins host memory on a machine with a GPU unless this is "0".
 PIN_ENV = "KVRAM_PIN_HOST_MEMORY"
@@ -162,6 +163,50 @@ def lean_activations(model: keras.layers.Layer) -> int:
             getattr(layer, "activation", None) is keras.activations.gelu
         ):
             layer.activation = lean_gelu
+            switched += 1
+    if switched and isinstance(model, keras.Model):
+        model.train_function = model.test_function = model.predict_function = None
+    return switched
+
+
+def efficient_attention(model: keras.layers.Layer, chunk_size: int = 512, implementation: str = "auto") -> int:
+    """Makes every `keras.layers.MultiHeadAttention` in `model` compute its
+    attention as `kvram.layers.MemoryEfficientAttention` does, in place:
+    subclasses included (KerasHub's `CachedMultiHeadAttention`, in its GPT-2,
+    OPT and Bart models), which a swap of classes could not reach.
+
+    The n x n attention scores are never kept: cuDNN's fused attention where
+    it runs (see `MemoryEfficientAttention`), else chunks of `chunk_size` keys
+    with a running softmax, attention masks and dropout included. Outputs and
+    gradients equal the layer's own within float rounding (tests/test_speed.py);
+    with attention dropout while training, the dropped positions are drawn
+    differently (from the layer's own seed generator). Each layer keeps its
+    class, weights and configuration, so a saved model records the layers as
+    they were: call this again after loading. Call it before training.
+
+    Args:
+        model: a Keras model or layer.
+        chunk_size: keys per chunk (int >= 1).
+        implementation: "auto", "chunked" or "cudnn", as `MemoryEfficientAttention`.
+
+    Returns:
+        How many layers were switched (layers already switched, and
+        `MemoryEfficientAttention` layers, are not counted).
+
+    Raises:
+        TypeError: `model` is not a Keras layer or model.
+        ValueError: `chunk_size` or `implementation` is not allowed.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"efficient_attention expects a Keras model or layer. Received: model={model!r}")
+    switched = 0
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if (
+            isinstance(layer, keras.layers.MultiHeadAttention)
+            and not isinstance(layer, attention.MemoryEfficientAttention)
+            and not hasattr(layer, "_kvram_efficient")
+        ):
+            attention.make_efficient(layer, chunk_size, implementation)
             switched += 1
     if switched and isinstance(model, keras.Model):
         model.train_function = model.test_function = model.predict_function = None

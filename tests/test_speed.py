@@ -315,3 +315,98 @@ def test_import_pins_host_memory_where_a_gpu_is_seen_unless_told_not_to():
     # This process: TensorFlow sees no GPU here (a GPU machine runs tests/test_speed.py's gpu tests).
     if not tf.config.list_physical_devices("GPU"):
         assert not speed.host_memory_pinned()
+
+
+def _gpt2(dropout):
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=256, num_layers=2, num_heads=4, hidden_dim=64, intermediate_dim=128,
+        dropout=dropout, max_sequence_length=256,
+    )
+    return keras.Model(backbone.input, keras.layers.Dense(256, name="lm_head")(backbone.output))
+
+
+def _gpt2_batch():
+    rng = np.random.default_rng(0)
+    mask = np.ones((4, 256), "int32")
+    mask[:, -40:] = 0  # a padded tail: a padding mask merged with the causal one
+    x = {"token_ids": tf.constant(rng.integers(1, 256, (4, 256)), tf.int32), "padding_mask": tf.constant(mask)}
+    return x, tf.constant(rng.integers(0, 256, (4, 256)), tf.int32)
+
+
+def _gpt2_step(model, x, y):
+    from tests.helpers import run_with_peak
+
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = loss_fn(y, logits)
+        return logits, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+
+    (logits, grads), peak = run_with_peak(step, warm=True)
+    return logits, grads, peak
+
+
+def test_efficient_attention_keeps_a_kerashub_decoder_step_and_lowers_its_peak():
+    """KerasHub's GPT-2 attention (`CachedMultiHeadAttention`, a subclass of
+    Keras's, given a causal mask merged with a padding mask): same logits and
+    gradients, without the n x n scores and probabilities at the step's peak."""
+    x, y = _gpt2_batch()
+    model = _gpt2(dropout=0.0)
+    plain_logits, plain_grads, plain_peak = _gpt2_step(model, x, y)
+    assert kvram.speed.efficient_attention(model, chunk_size=96) == 2
+    assert model.train_function is None
+    logits, grads, peak = _gpt2_step(model, x, y)
+    print(f"GPT-2 step peak: plain {plain_peak / 2**20:.1f} MiB, efficient attention {peak / 2**20:.1f} MiB")
+    assert max_rel_diff([plain_logits], [logits]) <= 1e-5
+    assert max_rel_diff(plain_grads, grads, per_tensor=False) <= 1e-5
+    assert peak <= 0.8 * plain_peak, (plain_peak, peak)
+
+
+def test_efficient_attention_drops_attention_probabilities_while_training():
+    x, _ = _gpt2_batch()
+    model = _gpt2(dropout=0.1)
+    kvram.speed.efficient_attention(model)
+    inference = values(model(x, training=False))
+    first, second = values(model(x, training=True)), values(model(x, training=True))
+    assert np.all(np.isfinite(first))
+    assert not np.allclose(first, inference) and not np.allclose(first, second)
+    np.testing.assert_array_equal(values(model(x, training=False)), inference)
+
+
+def test_efficient_attention_with_keras_causal_mask_equals_keras():
+    keras.utils.set_random_seed(1)
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)
+    q = tf.random.normal((3, 50, 16), seed=4)
+    expected = values(layer(q, q, use_causal_mask=True))
+    assert kvram.speed.efficient_attention(layer, chunk_size=16) == 1
+    assert max_rel_diff([expected], [values(layer(q, q, use_causal_mask=True))]) <= 1e-5
+    assert max_rel_diff([values(keras.layers.MultiHeadAttention.call(layer, q, q))],
+                        [values(layer(q, q))]) <= 1e-5
+
+
+def test_efficient_attention_switches_each_layer_once_and_is_not_saved(tmp_path):
+    with pytest.raises(TypeError, match="efficient_attention expects a Keras model or layer. Received: model=3"):
+        kvram.speed.efficient_attention(3)
+    inputs = keras.Input((12, 16))
+    h = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(inputs, inputs)
+    h = kvram.layers.MemoryEfficientAttention(num_heads=2, key_dim=8)(h, h)
+    model = keras.Model(inputs, keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(h, h))
+    with pytest.raises(ValueError, match="chunk_size"):
+        kvram.speed.efficient_attention(model, chunk_size=0)
+    with pytest.raises(ValueError, match=r"implementation must be one of .*Received: 'fast'"):
+        kvram.speed.efficient_attention(model, implementation="fast")
+    assert kvram.speed.efficient_attention(model) == 2  # MemoryEfficientAttention is one already
+    assert kvram.speed.efficient_attention(model) == 0
+    x = tf.random.normal((2, 12, 16), seed=5)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert [type(layer) for layer in loaded.layers] == [type(layer) for layer in model.layers]
+    assert not any(hasattr(layer, "_kvram_efficient") for layer in loaded.layers)
+    assert max_rel_diff([values(model(x))], [values(loaded(x))]) <= 1e-5

@@ -19,6 +19,13 @@ Configurations:
                     Dense/EinsumDense products kept, the rest recomputed.
     kvram_plan      `kvram.remat.plan(model, batch, budget)` with the
                     budget `--budget-gib` (XLA-checked), applied.
+    kvram_attention kvram.speed.efficient_attention: KerasHub's attention
+                    layers keep no n x n scores (the merged causal and
+                    padding mask and the attention dropout go through kvram's
+                    chunks), no checkpointing.
+    kvram_attention_lean  the same with kvram.speed.lean_activations (the
+                    LayerNormalizations keep their input alone).
+    kvram_attention_dots  kvram_attention with save_dots per block.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ CONFIGS = {
     "kvram_full": dict(kvram="blocks", policy="full"),
     "kvram_dots": dict(kvram="blocks", policy="save_dots"),
     "kvram_plan": dict(kvram="plan"),
+    "kvram_attention": dict(kvram=None, attention=True),
+    "kvram_attention_lean": dict(kvram=None, attention=True, lean=True),
+    "kvram_attention_dots": dict(kvram="blocks", policy="save_dots", attention=True),
 }
 
 
@@ -63,6 +73,10 @@ def build(settings, batch, sequence, budget_gib):
          "padding_mask": tf.ones((batch, sequence), tf.int32)}
     y = tf.constant(rng.integers(0, shape["vocabulary_size"], (batch, sequence)), tf.int32)
     planning = {}
+    if settings.get("attention"):
+        planning["attention_layers"] = kvram.speed.efficient_attention(model)
+    if settings.get("lean"):
+        planning["lean_layers"] = kvram.speed.lean_activations(model)
     if settings["kvram"] == "blocks":
         chain = remat.segments(model)
         flags = [any(n.startswith("transformer_layer") for n in s.layers) for s in chain]

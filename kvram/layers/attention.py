@@ -60,8 +60,7 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
     def __init__(self, num_heads, key_dim, chunk_size: int = 512, implementation: str = "auto", **kwargs):
         super().__init__(num_heads, key_dim, **kwargs)
         self.chunk_size = _checks.positive_int("chunk_size", chunk_size)
-        if implementation not in self.IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {self.IMPLEMENTATIONS}. Received: {implementation!r}")
+        _check_implementation(implementation)
         self.implementation = implementation
 
     def get_config(self):
@@ -72,68 +71,99 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
 
     def _compute_attention_mask(self, query, value, *args, use_causal_mask=False, **kwargs):
         # Keras would build the full (T, S) causal mask here; the causal part is
-        # applied chunk by chunk instead (see `_compute_attention`).
+        # applied chunk by chunk instead (see `attend`).
         self._kvram_causal = bool(use_causal_mask)
         return super()._compute_attention_mask(query, value, *args, use_causal_mask=False, **kwargs)
 
-    def _compute_attention(
-        self,
-        query,
-        key,
-        value,
-        attention_mask=None,
-        training=None,
-        return_attention_scores=False,
-        use_causal_mask=False,
-    ):
-        if return_attention_scores:
-            raise ValueError(
-                "MemoryEfficientAttention never forms the full attention scores, so it "
-                "cannot return them. Use keras.layers.MultiHeadAttention for that."
-            )
-        if len(query.shape) != 4:
-            raise ValueError("MemoryEfficientAttention attends over one sequence axis.")
-        # (B, T, N, H) -> (B, N, T, H)
-        q = tf.transpose(query, [0, 2, 1, 3])
-        k = tf.transpose(key, [0, 2, 1, 3])
-        v = tf.transpose(value, [0, 2, 1, 3])
-        causal = bool(use_causal_mask) or getattr(self, "_kvram_causal", False)
-        self._kvram_causal = False
-        why_not = self._why_not_cudnn(q, k, v, attention_mask, causal, training)
-        if why_not is None:
-            out = _cudnn_attention.cudnn_attention(q, k, v, float(self._inverse_sqrt_key_dim), causal=causal)
-            return tf.transpose(out, [0, 2, 1, 3]), None
-        if self.implementation == "cudnn" and not _symbolic():
-            raise ValueError(f"MemoryEfficientAttention(implementation='cudnn') cannot run here: {why_not}.")
-        q = q * tf.cast(self._inverse_sqrt_key_dim, q.dtype)
-        mask = None if attention_mask is None else tf.cast(attention_mask, tf.bool)
-        dropout, seed = 0.0, None
-        if self._dropout > 0.0 and training:
-            # The MultiHeadAttention's own dropout layer's seed generator, so a
-            # Checkpoint that restores the layer's state replays the same mask.
-            from keras.src.backend.tensorflow.random import _cast_seed
-            from keras.src.random.seed_generator import draw_seed
+    def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                           return_attention_scores=False, use_causal_mask=False):
+        return attend(self, query, key, value, attention_mask, training, return_attention_scores, use_causal_mask,
+                      chunk_size=self.chunk_size, implementation=self.implementation)
 
-            dropout, seed = self._dropout, _cast_seed(draw_seed(self._dropout_layer.seed_generator))
-        out = chunked_attention(
-            q, k, v, mask, causal=causal, chunk_size=self.chunk_size, dropout=dropout, seed=seed
+
+def make_efficient(layer, chunk_size: int = 512, implementation: str = "auto") -> None:
+    """Makes one `keras.layers.MultiHeadAttention` (or an instance of a subclass
+    that computes its attention through `_compute_attention`, as KerasHub's
+    `CachedMultiHeadAttention` does) compute it as `MemoryEfficientAttention`
+    does, in place: the instance's `_compute_attention` and
+    `_compute_attention_mask` are replaced, its class, weights and configuration
+    are kept (so a saved model records the layer as it was)."""
+    chunk_size = _checks.positive_int("chunk_size", chunk_size)
+    _check_implementation(implementation)
+    own_mask = type(layer)._compute_attention_mask
+
+    def compute_attention_mask(query, value, *args, use_causal_mask=False, **kwargs):
+        layer._kvram_causal = bool(use_causal_mask)  # applied chunk by chunk, as above
+        return own_mask(layer, query, value, *args, use_causal_mask=False, **kwargs)
+
+    def compute_attention(query, key, value, attention_mask=None, training=None,
+                          return_attention_scores=False, use_causal_mask=False):
+        return attend(layer, query, key, value, attention_mask, training, return_attention_scores, use_causal_mask,
+                      chunk_size=chunk_size, implementation=implementation)
+
+    layer._compute_attention_mask = compute_attention_mask
+    layer._compute_attention = compute_attention
+    layer._kvram_efficient = (chunk_size, implementation)
+
+
+def _check_implementation(implementation):
+    if implementation not in MemoryEfficientAttention.IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {MemoryEfficientAttention.IMPLEMENTATIONS}. Received: {implementation!r}"
         )
-        return tf.transpose(out, [0, 2, 1, 3]), None
 
-    def _why_not_cudnn(self, q, k, v, attention_mask, causal, training):
-        """None where this call runs cuDNN's attention, else why not."""
-        if self.implementation == "chunked":
-            return "implementation='chunked'"
-        if attention_mask is not None:
-            return "cuDNN's attention here takes no attention mask but a causal one"
-        if causal and q.shape[2] != k.shape[2]:
-            return f"a causal mask needs as many queries as keys (got {q.shape[2]} and {k.shape[2]})"
-        if self._dropout > 0.0 and training:
-            return "cuDNN's attention here does not drop attention probabilities while training"
-        reason = _cudnn_attention.supported(q, k, v)
-        if reason is None and not _cudnn_attention.in_xla_on_gpu(q):
-            reason = "it runs only inside a step XLA compiles for a GPU (compile with jit_compile=True on a GPU)"
-        return reason
+
+def attend(layer, query, key, value, attention_mask, training, return_attention_scores, use_causal_mask,
+           chunk_size, implementation):
+    """`MultiHeadAttention._compute_attention` of `layer` (its dropout rate,
+    dropout seed generator and scale), by cuDNN or in chunks of keys."""
+    if return_attention_scores:
+        raise ValueError(
+            "MemoryEfficientAttention never forms the full attention scores, so it "
+            "cannot return them. Use keras.layers.MultiHeadAttention for that."
+        )
+    if len(query.shape) != 4:
+        raise ValueError("MemoryEfficientAttention attends over one sequence axis.")
+    # (B, T, N, H) -> (B, N, T, H)
+    q = tf.transpose(query, [0, 2, 1, 3])
+    k = tf.transpose(key, [0, 2, 1, 3])
+    v = tf.transpose(value, [0, 2, 1, 3])
+    causal = bool(use_causal_mask) or getattr(layer, "_kvram_causal", False)
+    layer._kvram_causal = False
+    why_not = _why_not_cudnn(layer, implementation, q, k, v, attention_mask, causal, training)
+    if why_not is None:
+        out = _cudnn_attention.cudnn_attention(q, k, v, float(layer._inverse_sqrt_key_dim), causal=causal)
+        return tf.transpose(out, [0, 2, 1, 3]), None
+    if implementation == "cudnn" and not _symbolic():
+        raise ValueError(f"MemoryEfficientAttention(implementation='cudnn') cannot run here: {why_not}.")
+    q = q * tf.cast(layer._inverse_sqrt_key_dim, q.dtype)
+    mask = None if attention_mask is None else tf.cast(attention_mask, tf.bool)
+    dropout, seed = 0.0, None
+    if layer._dropout > 0.0 and training:
+        # The MultiHeadAttention's own dropout layer's seed generator, so a
+        # Checkpoint that restores the layer's state replays the same mask.
+        from keras.src.backend.tensorflow.random import _cast_seed
+        from keras.src.random.seed_generator import draw_seed
+
+        dropout, seed = layer._dropout, _cast_seed(draw_seed(layer._dropout_layer.seed_generator))
+    out = chunked_attention(q, k, v, mask, causal=causal, chunk_size=chunk_size, dropout=dropout, seed=seed)
+    return tf.transpose(out, [0, 2, 1, 3]), None
+
+
+def _why_not_cudnn(layer, implementation, q, k, v, attention_mask, causal, training):
+    """None where this call runs cuDNN's attention, else why not."""
+    if implementation == "chunked":
+        return "implementation='chunked'"
+    if attention_mask is not None:
+        return "cuDNN's attention here takes no attention mask but a causal one"
+    if causal and q.shape[2] != k.shape[2]:
+        return f"a causal mask needs as many queries as keys (got {q.shape[2]} and {k.shape[2]})"
+    if layer._dropout > 0.0 and training:
+        return "cuDNN's attention here does not drop attention probabilities while training"
+    reason = _cudnn_attention.supported(q, k, v)
+    if reason is None and not _cudnn_attention.in_xla_on_gpu(q):
+        reason = "it runs only inside a step XLA compiles for a GPU (compile with jit_compile=True on a GPU)"
+    return reason
 
 
 def _symbolic() -> bool:
