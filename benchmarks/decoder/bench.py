@@ -26,6 +26,7 @@ Configurations:
     kvram_attention_lean  the same with kvram.speed.lean_activations (the
                     LayerNormalizations keep their input alone).
     kvram_attention_dots  kvram_attention with save_dots per block.
+    kvram_attention_chunk1024  kvram_attention with all 1024 keys in one chunk.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ CONFIGS = {
     "kvram_attention": dict(kvram=None, attention=True),
     "kvram_attention_lean": dict(kvram=None, attention=True, lean=True),
     "kvram_attention_dots": dict(kvram="blocks", policy="save_dots", attention=True),
+    "kvram_attention_chunk1024": dict(kvram=None, attention=True, chunk_size=1024),
 }
 
 
@@ -74,7 +76,7 @@ def build(settings, batch, sequence, budget_gib):
     y = tf.constant(rng.integers(0, shape["vocabulary_size"], (batch, sequence)), tf.int32)
     planning = {}
     if settings.get("attention"):
-        planning["attention_layers"] = kvram.speed.efficient_attention(model)
+        planning["attention_layers"] = kvram.speed.efficient_attention(model, settings.get("chunk_size", 512))
     if settings.get("lean"):
         planning["lean_layers"] = kvram.speed.lean_activations(model)
     if settings["kvram"] == "blocks":
