@@ -36,14 +36,17 @@ def supported(q, k, v) -> str | None:
     return None
 
 
-def in_xla_on_gpu(x) -> bool:
-    """Whether `x` is being traced into an XLA-compiled function bound for a GPU."""
+def in_xla(x) -> bool:
+    """Whether `x` is being traced into an XLA-compiled function."""
     from tensorflow.python.framework import ops
     from tensorflow.python.ops import control_flow_util
 
-    if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
-        return bool(tf.config.list_logical_devices("GPU")) and "CPU" not in (x.device or "").upper()
-    return False
+    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+
+def in_xla_on_gpu(x) -> bool:
+    """Whether `x` is being traced into an XLA-compiled function bound for a GPU."""
+    return in_xla(x) and bool(tf.config.list_logical_devices("GPU")) and "CPU" not in (x.device or "").upper()
 
 
 def _dims(lhs_contracting, rhs_contracting):

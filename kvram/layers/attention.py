@@ -250,7 +250,7 @@ class _Plan:
         with no allowed key spreads evenly over the keys) and pass no gradient.
         The padding keys of the last chunk are -inf: they weigh nothing.
         """
-        s = tf.einsum("bnth,bnsh->bnts", tf.cast(q, tf.float32), tf.cast(k_chunk, tf.float32))
+        s = _product(q, k_chunk, q.dtype, adj_b=True)
         position = j * self.size + tf.range(self.size)
         allowed = None
         if self.mask is not None:
@@ -271,6 +271,19 @@ class _Plan:
         return tf.cast(kept, tf.float32) / (1.0 - self.dropout)
 
 
+def _product(a, b, dtype, adj_a=False, adj_b=False):
+    """float32 `a @ b` of (..., m, k) by (..., k, n) tensors (`adj_a`, `adj_b`:
+    transposed). Inside an XLA-compiled function, from inputs in `dtype` (the
+    layer's own: bfloat16 or float16 under mixed precision) with a float32
+    result, so that the products run on the tensor cores at that precision and
+    are not rounded to it (TensorFlow's BatchMatMulV3 with Tout, which only XLA
+    compiles for these types); elsewhere from float32 copies."""
+    if dtype != tf.float32 and _cudnn_attention.in_xla(a):
+        return tf.raw_ops.BatchMatMulV3(x=tf.cast(a, dtype), y=tf.cast(b, dtype), Tout=tf.float32,
+                                        adj_x=adj_a, adj_y=adj_b)
+    return tf.linalg.matmul(tf.cast(a, tf.float32), tf.cast(b, tf.float32), adjoint_a=adj_a, adjoint_b=adj_b)
+
+
 def _forward(q, k, v, plan):
     shape = tf.shape(q)
     b, n, t = shape[0], shape[1], shape[2]
@@ -288,7 +301,7 @@ def _forward(q, k, v, plan):
         l = l * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
         if plan.dropout:
             p = p * plan.keep(tf.shape(p), j)
-        o = o * correction + tf.einsum("bnts,bnsh->bnth", p, tf.cast(tf.gather(v_chunks, j), tf.float32))
+        o = o * correction + _product(p, tf.gather(v_chunks, j), v.dtype)
         return j + 1, m_new, l, o
 
     _, m, l, o = tf.while_loop(
@@ -309,34 +322,33 @@ def _backward(q, k, v, out, m, l, d_out, plan):
     v = v + tf.cast(dependency, v.dtype)
     d_out = tf.cast(d_out, tf.float32)
     delta = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, N, T, 1)
-    q32 = tf.cast(q, tf.float32)
+    d_out = tf.cast(d_out, v.dtype)
     k_chunks, v_chunks = plan.split(k), plan.split(v)
     dk_parts = tf.TensorArray(tf.float32, size=plan.count)
     dv_parts = tf.TensorArray(tf.float32, size=plan.count)
 
     def body(j, dq, dk_parts, dv_parts):
-        k_c = tf.cast(tf.gather(k_chunks, j), tf.float32)
-        v_c = tf.cast(tf.gather(v_chunks, j), tf.float32)
+        k_c, v_c = tf.gather(k_chunks, j), tf.gather(v_chunks, j)
         s, allowed = plan.scores(q, k_c, j)
         p = tf.exp(s - m) / l  # recomputed probabilities of this chunk
-        dp = tf.einsum("bnth,bnsh->bnts", d_out, v_c)
+        dp = _product(d_out, v_c, v.dtype, adj_b=True)
         if plan.dropout:
             keep = plan.keep(tf.shape(p), j)
-            dv_parts = dv_parts.write(j, tf.einsum("bnts,bnth->bnsh", p * keep, d_out))
+            dv_parts = dv_parts.write(j, _product(p * keep, d_out, v.dtype, adj_a=True))
             dp = dp * keep
         else:
-            dv_parts = dv_parts.write(j, tf.einsum("bnts,bnth->bnsh", p, d_out))
+            dv_parts = dv_parts.write(j, _product(p, d_out, v.dtype, adj_a=True))
         ds = p * (dp - delta)
         if allowed is not None:
             ds = ds * allowed  # masked scores pass no gradient
-        dq = dq + tf.einsum("bnts,bnsh->bnth", ds, k_c)
-        dk_parts = dk_parts.write(j, tf.einsum("bnts,bnth->bnsh", ds, q32))
+        dq = dq + _product(ds, k_c, k.dtype)
+        dk_parts = dk_parts.write(j, _product(ds, q, q.dtype, adj_a=True))
         return j + 1, dq, dk_parts, dv_parts
 
     _, dq, dk_parts, dv_parts = tf.while_loop(
         lambda j, *_: j < plan.count,
         body,
-        (tf.constant(0), tf.zeros_like(q32), dk_parts, dv_parts),
+        (tf.constant(0), tf.zeros(tf.shape(q), tf.float32), dk_parts, dv_parts),
         parallel_iterations=1,
     )
     dk = plan.join(dk_parts.stack())
