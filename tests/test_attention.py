@@ -108,23 +108,32 @@ def test_equals_multi_head_attention_mixed(policy, masks):
         compare(mha, mea, q, q, False, 1e-2, use_causal_mask=True)
 
 
+def bf16_errors(runner, q, v, **kwargs):
+    """{"mha": ..., "mea": ...}: (output error, gradient error) under
+    mixed_bfloat16 against the same layers' float32 results, each run by
+    `runner(layer, q, v, **kwargs)` -> (output, gradients)."""
+    reference, _ = pair()
+    reference(q, v)
+    weights = reference.get_weights()
+    truth, truth_grads = runner(reference, q, v, **kwargs)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    mha, mea = pair()
+    errors = {}
+    for name, layer in (("mha", mha), ("mea", mea)):
+        layer(q, v)
+        layer.set_weights(weights)
+        out, grads = runner(layer, q, v, **kwargs)
+        errors[name] = (max_rel_diff([truth], [out]), max_rel_diff(truth_grads, grads, per_tensor=False))
+    return errors
+
+
 def test_bf16_error_is_no_larger_than_multi_head_attentions():
     # Against the same layers computed in float32, MemoryEfficientAttention under
     # mixed_bfloat16 (float32 softmax statistics) is no less accurate than
     # MultiHeadAttention under mixed_bfloat16, output and gradients.
     q, _ = inputs(t=45)
-    reference, _ = pair()
-    reference(q, q)
-    weights = reference.get_weights()
-    truth, truth_grads = run(reference, q, q, False, use_causal_mask=True)
-    keras.config.set_dtype_policy("mixed_bfloat16")
-    mha, mea = pair()
-    errors = {}
-    for name, layer in (("mha", mha), ("mea", mea)):
-        layer(q, q)
-        layer.set_weights(weights)
-        out, grads = run(layer, q, q, False, use_causal_mask=True)
-        errors[name] = (max_rel_diff([truth], [out]), max_rel_diff(truth_grads, grads, per_tensor=False))
+    errors = bf16_errors(lambda layer, q, v, **kwargs: run(layer, q, v, False, **kwargs), q, q,
+                         use_causal_mask=True)
     assert errors["mea"][0] <= 1.1 * errors["mha"][0], errors
     assert errors["mea"][1] <= 1.1 * errors["mha"][1], errors
 
@@ -426,18 +435,7 @@ def test_bf16_under_xla_products_in_bf16_stay_near_multi_head_attentions_error(m
     else:
         q, kwargs = inputs(t=45)[0], {"use_causal_mask": True}
         v = q
-    reference, _ = pair()
-    reference(q, v)
-    weights = reference.get_weights()
-    truth, truth_grads = run_xla(reference, q, v, **kwargs)
-    keras.config.set_dtype_policy("mixed_bfloat16")
-    mha, mea = pair()
-    errors = {}
-    for name, layer in (("mha", mha), ("mea", mea)):
-        layer(q, v)
-        layer.set_weights(weights)
-        out, grads = run_xla(layer, q, v, **kwargs)
-        errors[name] = (max_rel_diff([truth], [out]), max_rel_diff(truth_grads, grads, per_tensor=False))
+    errors = bf16_errors(run_xla, q, v, **kwargs)
     assert errors["mea"][0] <= min(7.9e-3, 1.5 * errors["mha"][0]), errors
     assert errors["mea"][1] <= 1.1 * errors["mha"][1], errors
 
