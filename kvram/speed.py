@@ -11,7 +11,7 @@ import keras
 
 from kvram.layers import attention
 from kvram.layers.batch_norm import FusedBatchNormalization
-from kvram.layers.lean import LeanLayerNormalization, lean_gelu
+from kvram.layers.lean import LeanLayerNormalization, lean_gelu, lean_gelu_approximate
 
 __all__ = ["efficient_attention", "fuse_batch_norm", "lean_activations", "pin_host_memory", "host_memory_pinned"]
 
@@ -131,12 +131,24 @@ def fuse_batch_norm(model: keras.layers.Layer) -> int:
     return switched
 
 
+def _kerashub_approximate_gelu() -> dict:
+    """{KerasHub's tanh-approximated GELU: lean_gelu_approximate} where
+    KerasHub is imported (a model built with it has imported it), else {}."""
+    import sys
+
+    utils = sys.modules.get("keras_hub.src.utils.keras_utils")
+    function = getattr(utils, "gelu_approximate", None)
+    return {function: lean_gelu_approximate} if function is not None else {}
+
+
 def lean_activations(model: keras.layers.Layer) -> int:
     """Makes the exact GELUs and the LayerNormalizations of `model` keep only
     their inputs for the backward pass, in place (`kvram.layers.lean`).
 
     Every `Dense` or `EinsumDense` whose activation is
-    `keras.activations.gelu` (`activation="gelu"`) gets `lean_gelu`, and every
+    `keras.activations.gelu` (`activation="gelu"`) gets `lean_gelu`, one whose
+    activation is KerasHub's tanh-approximated GELU (GPT-2's feedforward) gets
+    `lean_gelu_approximate`, and every
     `keras.layers.LayerNormalization` becomes a `LeanLayerNormalization` (same
     weights and configuration). Outputs are unchanged; gradients agree within
     float rounding (tests/test_speed.py). Memory: a ViT-B block at batch 256
@@ -155,15 +167,16 @@ def lean_activations(model: keras.layers.Layer) -> int:
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"lean_activations expects a Keras model or layer. Received: model={model!r}")
     switched = 0
+    leans = {keras.activations.gelu: lean_gelu, **_kerashub_approximate_gelu()}
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if type(layer) is keras.layers.LayerNormalization:
             layer.__class__ = LeanLayerNormalization
             switched += 1
-        elif isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) and (
-            getattr(layer, "activation", None) is keras.activations.gelu
-        ):
-            layer.activation = lean_gelu
-            switched += 1
+        elif isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+            lean = leans.get(getattr(layer, "activation", None))
+            if lean is not None:
+                layer.activation = lean
+                switched += 1
     if switched and isinstance(model, keras.Model):
         model.train_function = model.test_function = model.predict_function = None
     return switched

@@ -4,7 +4,9 @@ Keras builds both from primitives, and automatic differentiation keeps what
 the primitives' gradients read: for the exact GELU, the bf16 intermediates
 of `0.5 * x * (1 + erf(x / sqrt(2)))` (886 MB a ViT-B block at batch 256 beside
 its 328 MB input, 10.4 GiB over the 12 blocks at the peak of the XLA-compiled
-step on an H200: benchmarks/results/vit_buffers_h200.json); for
+step on an H200: benchmarks/results/vit_buffers_h200.json; the tanh
+approximation's, 3.0 GiB over a GPT-2-medium-shaped decoder's 24 blocks at
+batch 8: benchmarks/results/decoder_buffers_h200.json); for
 LayerNormalization under mixed precision, float32 copies of its input and of
 the normalised values (3.4 GiB there). These compute the same values and keep
 the input (in its own dtype) and, for LayerNormalization, the per-row mean and
@@ -38,6 +40,27 @@ def lean_gelu(x):
             return tf.cast(tf.cast(dy, tf.float32) * (cdf + x32 * pdf), x.dtype)
 
         return keras.activations.gelu(x, approximate=False), gradient
+
+    return gelu(x)
+
+
+@keras.saving.register_keras_serializable(package="kvram")
+def lean_gelu_approximate(x):
+    """The tanh approximation of GELU, `keras.activations.gelu(x,
+    approximate=True)` (KerasHub's GPT-2 and others), keeping only `x` for the
+    gradient."""
+    x = tf.convert_to_tensor(x)
+
+    @tf.custom_gradient
+    def gelu(x):
+        def gradient(dy):
+            x32 = tf.cast(x, tf.float32) + after(dy)
+            c = math.sqrt(2.0 / math.pi)
+            tanh = tf.tanh(c * (x32 + 0.044715 * x32 * x32 * x32))
+            slope = 0.5 * (1.0 + tanh) + 0.5 * x32 * (1.0 - tanh * tanh) * c * (1.0 + 3 * 0.044715 * x32 * x32)
+            return tf.cast(tf.cast(dy, tf.float32) * slope, x.dtype)
+
+        return keras.activations.gelu(x, approximate=True), gradient
 
     return gelu(x)
 
