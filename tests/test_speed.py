@@ -411,3 +411,74 @@ def test_efficient_attention_switches_each_layer_once_and_is_not_saved(tmp_path)
     assert [type(layer) for layer in loaded.layers] == [type(layer) for layer in model.layers]
     assert not any(hasattr(layer, "_kvram_efficient") for layer in loaded.layers)
     assert max_rel_diff([values(model(x))], [values(loaded(x))]) <= 1e-5
+
+
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_lean_gelu_approximate_equals_keras(x_dtype):
+    from kvram.layers.lean import lean_gelu_approximate
+
+    x = tf.cast(tf.random.normal((4, 7, 32), seed=1) * 3, x_dtype)
+    x32 = tf.cast(x, tf.float32)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, x32])
+        ours, theirs = lean_gelu_approximate(x), keras.activations.gelu(x, approximate=True)
+        truth = keras.activations.gelu(x32, approximate=True)
+    np.testing.assert_array_equal(values(ours), values(theirs))
+    ours, theirs, truth = tape.gradient(ours, x), tape.gradient(theirs, x), tape.gradient(truth, x32)
+    if x_dtype == "float32":  # a closed form against autodiff's chain: float32 rounding apart
+        assert max_rel_diff([theirs], [ours]) <= 1e-5
+    else:  # computed in float32 from bf16 inputs: no further from float32 than Keras's bf16 chain
+        assert max_rel_diff([truth], [ours]) <= max_rel_diff([truth], [theirs])
+
+
+def test_lean_activations_reach_kerashub_approximate_gelu_and_keep_a_decoder_step():
+    """GPT-2's feedforward GELU (KerasHub's tanh approximation) and its norms:
+    the same loss and gradients (1e-5)."""
+    with tf.device("/CPU:0"):
+        x, y = _gpt2_batch()
+        model = _gpt2(dropout=0.0)
+        plain_logits, plain_grads, _ = _gpt2_step(model, x, y)
+        # two blocks: two norms and a GELU each; the final norm
+        assert kvram.speed.lean_activations(model) == 2 * 3 + 1
+        from kvram.layers.lean import lean_gelu_approximate
+
+        assert sum(getattr(layer, "activation", None) is lean_gelu_approximate
+                   for layer in model._flatten_layers()) == 2
+        logits, grads, _ = _gpt2_step(model, x, y)
+    assert max_rel_diff([plain_logits], [logits]) <= 1e-5
+    assert max_rel_diff(plain_grads, grads, per_tensor=False) <= 1e-5
+
+
+def test_attention_dropout_masks_are_drawn_again_in_the_backward_pass_under_xla():
+    """The drop masks are drawn where they are used: the forward's from a seed
+    that depends on the layer's input (from the seed alone, XLA on the CPU drew
+    every layer's random numbers at the step's start and held them all: 128.2
+    MiB against 32.2 without dropout, eight layers), the backward's from one
+    that depends on the incoming gradient (with one chunk XLA unrolls both
+    loops; on an H200 it merged the two and kept each layer's forward mask for
+    the backward pass, 3.4 GiB in a GPT-2-medium-shaped decoder's step:
+    benchmarks/results/decoder_buffers_h200.json)."""
+    from kvram.layers.attention import chunked_attention
+    from tests.helpers import run_with_peak
+
+    b, n, t, h, layers = 2, 4, 512, 16, 8
+    x = tf.random.normal((b, n, t, h), seed=1)
+
+    def peak(dropout):
+        @tf.function(jit_compile=True)
+        def step():
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                out = x
+                for i in range(layers):  # a stack of attentions, as in a model
+                    out = chunked_attention(out, out, out, chunk_size=t, dropout=dropout,
+                                            seed=tf.constant([1, i]) if dropout else None)
+                loss = tf.reduce_sum(out * out)
+            return tape.gradient(loss, x)
+
+        return run_with_peak(step, warm=True)[1]
+
+    mask = b * n * t * t  # bytes of one bool mask
+    without, with_dropout = peak(0.0), peak(0.1)
+    print(f"peak without dropout {without / 2**20:.1f} MiB, with {with_dropout / 2**20:.1f} MiB, mask {mask / 2**20:.1f}")
+    assert with_dropout < without + 2 * mask, (without, with_dropout, mask)  # not one mask a layer

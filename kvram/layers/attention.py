@@ -191,6 +191,10 @@ def chunked_attention(q, k, v, mask=None, causal=False, chunk_size=512, dropout=
     out_dtype = v.dtype
     if dropout and seed is None:
         raise ValueError("chunked_attention with dropout > 0 needs a `seed`.")
+    if dropout:
+        # the forward's drop masks drawn when its inputs are there: from the
+        # seed alone XLA may draw every layer's masks at the step's start
+        seed = seed + tf.cast(tf.bitcast(after(k), tf.int32), seed.dtype)
     plan = _Plan(k, mask, causal, chunk_size, dropout, seed)
 
     @tf.custom_gradient
@@ -264,9 +268,10 @@ class _Plan:
             allowed = tf.cast(allowed, tf.float32)
         return tf.where((position < self.keys)[None, None, None, :], s, -math.inf), allowed
 
-    def keep(self, shape, j):
-        """Dropout's scale for chunk j: 0 where dropped, 1 / (1 - rate) where kept."""
-        seed = tf.random.experimental.stateless_fold_in(self.seed, j)
+    def keep(self, shape, j, seed=None):
+        """Dropout's scale for chunk j: 0 where dropped, 1 / (1 - rate) where
+        kept, from `seed` (the plan's by default)."""
+        seed = tf.random.experimental.stateless_fold_in(self.seed if seed is None else seed, j)
         kept = tf.random.stateless_uniform(shape, seed=seed) >= self.dropout
         return tf.cast(kept, tf.float32) / (1.0 - self.dropout)
 
@@ -320,6 +325,10 @@ def _backward(q, k, v, out, m, l, d_out, plan):
     q = q + tf.cast(dependency, q.dtype)
     k = k + tf.cast(dependency, k.dtype)
     v = v + tf.cast(dependency, v.dtype)
+    # the drop masks too: with one chunk XLA unrolls both loops, and would
+    # otherwise merge the backward's mask into the forward's and keep it
+    # from one pass to the other (a (B, N, T, S) mask a layer)
+    seed = plan.seed + tf.cast(tf.bitcast(dependency, tf.int32), plan.seed.dtype) if plan.dropout else None
     d_out = tf.cast(d_out, tf.float32)
     delta = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, N, T, 1)
     d_out = tf.cast(d_out, v.dtype)
@@ -333,7 +342,7 @@ def _backward(q, k, v, out, m, l, d_out, plan):
         p = tf.exp(s - m) / l  # recomputed probabilities of this chunk
         dp = _product(d_out, v_c, v.dtype, adj_b=True)
         if plan.dropout:
-            keep = plan.keep(tf.shape(p), j)
+            keep = plan.keep(tf.shape(p), j, seed)
             dv_parts = dv_parts.write(j, _product(p * keep, d_out, v.dtype, adj_a=True))
             dp = dp * keep
         else:
