@@ -27,6 +27,9 @@ Configurations:
                     LayerNormalizations keep their input alone).
     kvram_attention_dots  kvram_attention with save_dots per block.
     kvram_attention_chunk1024  kvram_attention with all 1024 keys in one chunk.
+    kvram_attention_lean_chunk1024  the same with kvram.speed.lean_activations
+                    (GPT-2's tanh-approximated GELUs and its norms keep their
+                    inputs alone).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ CONFIGS = {
     "kvram_attention_lean": dict(kvram=None, attention=True, lean=True),
     "kvram_attention_dots": dict(kvram="blocks", policy="save_dots", attention=True),
     "kvram_attention_chunk1024": dict(kvram=None, attention=True, chunk_size=1024),
+    "kvram_attention_lean_chunk1024": dict(kvram=None, attention=True, chunk_size=1024, lean=True),
 }
 
 
