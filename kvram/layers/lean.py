@@ -25,23 +25,39 @@ import tensorflow as tf
 from kvram.layers._order import after
 
 
-@keras.saving.register_keras_serializable(package="kvram")
-def lean_gelu(x):
-    """The exact GELU, `keras.activations.gelu(x)`, keeping only `x` for the
-    gradient."""
+def _keeping_input(x, approximate, slope):
+    """`keras.activations.gelu(x, approximate)`, keeping only `x`: the
+    backward pass computes `slope(x)` in float32 when the gradient arrives."""
     x = tf.convert_to_tensor(x)
 
     @tf.custom_gradient
     def gelu(x):
         def gradient(dy):
             x32 = tf.cast(x, tf.float32) + after(dy)
-            cdf = 0.5 * (1.0 + tf.math.erf(x32 * (1.0 / math.sqrt(2.0))))
-            pdf = tf.exp(-0.5 * tf.square(x32)) * (1.0 / math.sqrt(2.0 * math.pi))
-            return tf.cast(tf.cast(dy, tf.float32) * (cdf + x32 * pdf), x.dtype)
+            return tf.cast(tf.cast(dy, tf.float32) * slope(x32), x.dtype)
 
-        return keras.activations.gelu(x, approximate=False), gradient
+        return keras.activations.gelu(x, approximate=approximate), gradient
 
     return gelu(x)
+
+
+def _exact_slope(x):
+    cdf = 0.5 * (1.0 + tf.math.erf(x * (1.0 / math.sqrt(2.0))))
+    pdf = tf.exp(-0.5 * tf.square(x)) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + x * pdf
+
+
+def _tanh_slope(x):
+    c = math.sqrt(2.0 / math.pi)
+    tanh = tf.tanh(c * (x + 0.044715 * x * x * x))
+    return 0.5 * (1.0 + tanh) + 0.5 * x * (1.0 - tanh * tanh) * c * (1.0 + 3 * 0.044715 * x * x)
+
+
+@keras.saving.register_keras_serializable(package="kvram")
+def lean_gelu(x):
+    """The exact GELU, `keras.activations.gelu(x)`, keeping only `x` for the
+    gradient."""
+    return _keeping_input(x, False, _exact_slope)
 
 
 @keras.saving.register_keras_serializable(package="kvram")
@@ -49,20 +65,7 @@ def lean_gelu_approximate(x):
     """The tanh approximation of GELU, `keras.activations.gelu(x,
     approximate=True)` (KerasHub's GPT-2 and others), keeping only `x` for the
     gradient."""
-    x = tf.convert_to_tensor(x)
-
-    @tf.custom_gradient
-    def gelu(x):
-        def gradient(dy):
-            x32 = tf.cast(x, tf.float32) + after(dy)
-            c = math.sqrt(2.0 / math.pi)
-            tanh = tf.tanh(c * (x32 + 0.044715 * x32 * x32 * x32))
-            slope = 0.5 * (1.0 + tanh) + 0.5 * x32 * (1.0 - tanh * tanh) * c * (1.0 + 3 * 0.044715 * x32 * x32)
-            return tf.cast(tf.cast(dy, tf.float32) * slope, x.dtype)
-
-        return keras.activations.gelu(x, approximate=True), gradient
-
-    return gelu(x)
+    return _keeping_input(x, True, _tanh_slope)
 
 
 def lean_layer_norm(x, gamma, beta, epsilon):
