@@ -117,15 +117,28 @@ def fuse_batch_norm(model: keras.layers.Layer) -> int:
         model = keras.applications.ResNet50(weights=None)
         kvram.speed.fuse_batch_norm(model)   # 53 layers
     """
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(
-            f"fuse_batch_norm expects a Keras model or layer. Received: model={model!r}"
-        )
-    switched = 0
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+
+    def fuse(layer):
         if type(layer) is keras.layers.BatchNormalization:
             layer.__class__ = FusedBatchNormalization
-            switched += 1
+            return True
+        return False
+
+    return _switch_each("fuse_batch_norm", model, fuse)
+
+
+def _switch_each(name: str, model, switch) -> int:
+    """Calls `switch(layer)` on `model` and every layer in it (nested ones,
+    and inside `kvram.layers.Checkpoint`, included); how many it switched (it
+    returns True for those). Functions Keras had traced for `model` are
+    dropped when any was, so the next `fit`, `evaluate` or `predict` traces
+    again. TypeError, naming the public function `name`, unless `model` is a
+    Keras layer or model."""
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"{name} expects a Keras model or layer. Received: model={model!r}")
+    switched = 0
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        switched += bool(switch(layer))
     if switched and isinstance(model, keras.Model):
         model.train_function = model.test_function = model.predict_function = None
     return switched
@@ -164,22 +177,20 @@ def lean_activations(model: keras.layers.Layer) -> int:
     Raises:
         TypeError: `model` is not a Keras layer or model.
     """
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(f"lean_activations expects a Keras model or layer. Received: model={model!r}")
-    switched = 0
     leans = {keras.activations.gelu: lean_gelu, **_kerashub_approximate_gelu()}
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+
+    def make_lean(layer):
         if type(layer) is keras.layers.LayerNormalization:
             layer.__class__ = LeanLayerNormalization
-            switched += 1
-        elif isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+            return True
+        if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
             lean = leans.get(getattr(layer, "activation", None))
             if lean is not None:
                 layer.activation = lean
-                switched += 1
-    if switched and isinstance(model, keras.Model):
-        model.train_function = model.test_function = model.predict_function = None
-    return switched
+                return True
+        return False
+
+    return _switch_each("lean_activations", model, make_lean)
 
 
 def efficient_attention(model: keras.layers.Layer, chunk_size: int = 512, implementation: str = "auto") -> int:
@@ -210,17 +221,15 @@ def efficient_attention(model: keras.layers.Layer, chunk_size: int = 512, implem
         TypeError: `model` is not a Keras layer or model.
         ValueError: `chunk_size` or `implementation` is not allowed.
     """
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(f"efficient_attention expects a Keras model or layer. Received: model={model!r}")
-    switched = 0
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+
+    def make_efficient(layer):
         if (
             isinstance(layer, keras.layers.MultiHeadAttention)
             and not isinstance(layer, attention.MemoryEfficientAttention)
             and not hasattr(layer, "_kvram_efficient")
         ):
             attention.make_efficient(layer, chunk_size, implementation)
-            switched += 1
-    if switched and isinstance(model, keras.Model):
-        model.train_function = model.test_function = model.predict_function = None
-    return switched
+            return True
+        return False
+
+    return _switch_each("efficient_attention", model, make_efficient)
