@@ -194,7 +194,7 @@ def chunked_attention(q, k, v, mask=None, causal=False, chunk_size=512, dropout=
     if dropout:
         # the forward's drop masks drawn when its inputs are there: from the
         # seed alone XLA may draw every layer's masks at the step's start
-        seed = seed + tf.cast(tf.bitcast(after(k), tf.int32), seed.dtype)
+        seed = _seed_after(seed, after(k))
     plan = _Plan(k, mask, causal, chunk_size, dropout, seed)
 
     @tf.custom_gradient
@@ -276,6 +276,12 @@ class _Plan:
         return tf.cast(kept, tf.float32) / (1.0 - self.dropout)
 
 
+def _seed_after(seed, zero):
+    """`seed` plus `zero` (a float32 zero of `_order.after`) bit-cast to an
+    integer: the same seed, which XLA can compute only once `zero` is there."""
+    return seed + tf.cast(tf.bitcast(zero, tf.int32), seed.dtype)
+
+
 def _product(a, b, dtype, adj_a=False, adj_b=False):
     """float32 `a @ b` of (..., m, k) by (..., k, n) tensors (`adj_a`, `adj_b`:
     transposed). Inside an XLA-compiled function, from inputs in `dtype` (the
@@ -328,7 +334,7 @@ def _backward(q, k, v, out, m, l, d_out, plan):
     # the drop masks too: with one chunk XLA unrolls both loops, and would
     # otherwise merge the backward's mask into the forward's and keep it
     # from one pass to the other (a (B, N, T, S) mask a layer)
-    seed = plan.seed + tf.cast(tf.bitcast(dependency, tf.int32), plan.seed.dtype) if plan.dropout else None
+    seed = _seed_after(plan.seed, dependency) if plan.dropout else None
     d_out = tf.cast(d_out, tf.float32)
     delta = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, N, T, 1)
     d_out = tf.cast(d_out, v.dtype)
