@@ -194,9 +194,9 @@ PARTS = (
     ("loss", r"(?i)cross_?entropy|log_softmax|nll_loss|sparse_categorical|/loss/|^loss"),
     ("layer_norm", r"(?i)layer_?norm|_ln\d|final_ln"),
     ("attention", r"(?i)attention|softmax|flash|fmha|sdpa|scaled_dot|_attn"),
-    ("mlp", r"(?i)_mlp\d|gelu|erf"),
+    ("mlp", r"(?i)_mlp\d|gelu|erf|feedforward"),
     ("patch_embedding", r"(?i)patch|class_and_position|convolution|conv2d|embedding"),
-    ("head", r"(?i)/head/|class_token"),
+    ("head", r"(?i)/head/|class_token|lm_head"),
     ("residual_add", r"(?i)_add\d"),
 )
 _PART_RULES = [(part, re.compile(pattern)) for part, pattern in PARTS]

@@ -14,6 +14,7 @@ traced back to the Keras layer it came from.
     python benchmarks/profile/step.py --only tf_fp16_xla --only torch_fp16
     python benchmarks/profile/step.py --raw-dir raw/   # also keep kernels + HLO per config
     python benchmarks/profile/step.py --model vit --only torch_fp16_compile --only kvram_nockpt_pin_spe16
+    python benchmarks/profile/step.py --model decoder --batch 8 --only keras_bf16
 
 Configurations (`CONFIGS`): Keras `applications.ResNet50(weights=None)` under
 mixed_float16 / mixed_bfloat16, with and without XLA, and variants that each
@@ -26,7 +27,9 @@ Data: one synthetic batch of 224x224 images, SGD(0.01, momentum 0.9), as in
 and PyTorch step), and each kernel's time also by part of the transformer
 (`kernels.by_part`: attention, LayerNorm, MLP, optimizer, ..., GEMM or not), for
 XLA kernels from their HLO instruction's op name (the step's HLO is always
-dumped for this).
+dumped for this). `--model decoder`: the same for the configurations of
+`benchmarks/decoder/bench.py` (GPT-2-medium-shaped, `--batch 8 --sequence 1024`
+as there; `img_per_s` is then rows/s, and `tokens_per_s` is reported too).
 """
 
 from __future__ import annotations
@@ -123,6 +126,10 @@ def _configs(model):
         from benchmarks.vit.bench import CONFIGS as VIT_CONFIGS
 
         return VIT_CONFIGS
+    if model == "decoder":
+        from benchmarks.decoder.bench import CONFIGS as DECODER_CONFIGS
+
+        return {name: ("tf", settings) for name, settings in DECODER_CONFIGS.items()}
     return CONFIGS
 
 
@@ -136,6 +143,10 @@ def run_tf(name, settings, args):
         from benchmarks.vit.bench import build_tf as build_vit
 
         model, data = build_vit(settings, batch, device)
+    elif args.model == "decoder":
+        from benchmarks.decoder.bench import build as build_decoder
+
+        model, data, _ = build_decoder(settings, batch, args.sequence, 0.0)
     else:
         # the ResNet50 benchmark's model and data; here the model defaults to Keras's,
         # and models/resnet50.py to no checkpointing
@@ -156,6 +167,8 @@ def run_tf(name, settings, args):
         "peak_gib": timed["peak_gib"][device],
         "final_loss": timed["loss"],
     }
+    if args.model == "decoder":
+        result["tokens_per_s"] = result["img_per_s"] * args.sequence
     logdir = tempfile.mkdtemp(prefix=f"tfprof_{name}_")
     profile_steps = whole_executions(args.profile_steps, settings.get("spe", 1))
     try:
@@ -166,7 +179,7 @@ def run_tf(name, settings, args):
         kernels = xspace_kernels(planes[0]) if planes else []
         result["profile"] = breakdown(kernels, profile_steps) if kernels else {
             "kernels": 0, "note": f"no GPU kernels in the trace ({len(planes)} xplane files)"}
-        if kernels and args.model == "vit":
+        if kernels and args.model in ("vit", "decoder"):
             op_names = hlo_op_names(_xla_dump_dir(args.raw_dir, name))
             result["profile"]["hlo_instructions_named"] = len(op_names)
             result["profile"]["parts_ms_per_step"] = by_part(kernels, profile_steps, op_names)
@@ -232,7 +245,7 @@ def _keep_raw(raw_dir, name, kernels):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("resnet50", "vit"), default="resnet50")
+    parser.add_argument("--model", choices=("resnet50", "vit", "decoder"), default="resnet50")
     parser.add_argument("--only", action="append", help="a configuration (default: all of the model's)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
@@ -240,6 +253,7 @@ def main():
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0: smoke test)")
     parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--sequence", type=int, default=1024, help="--model decoder: tokens per row")
     parser.add_argument("--raw-dir", default=None, help="keep kernel records and HLO here")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     parser.add_argument("--out", default=None)
@@ -259,13 +273,13 @@ def main():
         framework, settings = configs[name]
         env = dict(os.environ, **settings.get("env", {}))
         flags = [env.get("XLA_FLAGS", ""), settings.get("xla_flags", "")]
-        if framework == "tf" and (args.model == "vit" or settings.get("jit") and args.raw_dir):
+        if framework == "tf" and (args.model in ("vit", "decoder") or settings.get("jit") and args.raw_dir):
             flags += [f"--xla_dump_to={_xla_dump_dir(args.raw_dir, name)}", "--xla_dump_hlo_as_text"]
         env["XLA_FLAGS"] = " ".join(f for f in flags if f)
         command = [sys.executable, __file__, "--child", name, "--model", args.model, "--batch", str(args.batch),
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--profile-steps", str(args.profile_steps), "--device", args.device,
-                   "--image-size", str(args.image_size)]
+                   "--image-size", str(args.image_size), "--sequence", str(args.sequence)]
         if args.raw_dir:
             command += ["--raw-dir", args.raw_dir]
         started = time.perf_counter()
