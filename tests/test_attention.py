@@ -451,3 +451,27 @@ def test_products_under_xla_are_batch_matmuls_with_float32_results():
     for function in graph._functions.values():  # the loop bodies are functions of their own
         names += [node.op for node in function.definition.node_def]
     assert "BatchMatMulV3" in names, sorted(set(names))
+
+
+def test_under_xla_the_backward_rounds_its_two_score_shaped_products_and_nothing_else():
+    """The backward pass's recomputed scores and the probabilities' gradient, the
+    (T, S)-shaped products, come out in bf16 as MultiHeadAttention's do; the
+    forward's scores and the three (T, H)-shaped products stay float32 (the
+    numbers behind that choice: `_product`'s docstring)."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    _, mea = pair()
+    q, v = inputs()
+    mea(q, v)
+
+    def step(q, v):
+        with tf.GradientTape() as tape:
+            tape.watch([q, v])
+            out = mea(q, v, attention_mask=padding())
+        return tape.gradient(out, [q, v])
+
+    graph = tf.function(step, jit_compile=True).get_concrete_function(q, v).graph
+    results = [op.get_attr("Tout").name for op in graph.get_operations() if op.type == "BatchMatMulV3"]
+    for function in graph._functions.values():  # the loop bodies are functions of their own
+        results += [tf.as_dtype(node.attr["Tout"].type).name for node in function.definition.node_def
+                    if node.op == "BatchMatMulV3"]
+    assert sorted(results) == ["bfloat16"] * 2 + ["float32"] * 5, results
