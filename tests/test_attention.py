@@ -475,3 +475,26 @@ def test_under_xla_the_backward_rounds_its_two_score_shaped_products_and_nothing
         results += [tf.as_dtype(node.attr["Tout"].type).name for node in function.definition.node_def
                     if node.op == "BatchMatMulV3"]
     assert sorted(results) == ["bfloat16"] * 2 + ["float32"] * 5, results
+
+
+def test_the_backward_pass_reads_the_output_in_the_layers_dtype(monkeypatch):
+    """Under mixed precision the gradient keeps the bf16 output (which the
+    output projection keeps anyway), not a float32 copy twice its size."""
+    from kvram.layers import attention
+
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    seen = []
+    backward = attention._backward
+
+    def spy(q, k, v, out, *args):
+        seen.append(out.dtype)
+        return backward(q, k, v, out, *args)
+
+    monkeypatch.setattr(attention, "_backward", spy)
+    _, mea = pair()
+    q, v = inputs()
+    with tf.GradientTape() as tape:
+        tape.watch(q)
+        out = mea(q, v)
+    tape.gradient(out, q)
+    assert seen == [tf.bfloat16]

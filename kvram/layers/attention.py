@@ -200,11 +200,15 @@ def chunked_attention(q, k, v, mask=None, causal=False, chunk_size=512, dropout=
     @tf.custom_gradient
     def attend(q, k, v):
         out, m, l = _forward(q, k, v, plan)
+        # The backward pass reads the output in the layer's dtype, as
+        # FlashAttention does: under mixed precision a float32 copy kept for it
+        # would be twice the size of the output the next layer keeps anyway.
+        out = tf.cast(out, out_dtype)
 
         def grad(d_out):
             return _backward(q, k, v, out, m, l, d_out, plan)
 
-        return tf.cast(out, out_dtype), grad
+        return out, grad
 
     return attend(q, k, v)
 
@@ -348,7 +352,7 @@ def _backward(q, k, v, out, m, l, d_out, plan):
     # from one pass to the other (a (B, N, T, S) mask a layer)
     seed = _seed_after(plan.seed, dependency) if plan.dropout else None
     d_out = tf.cast(d_out, tf.float32)
-    delta = tf.reduce_sum(d_out * out, axis=-1, keepdims=True)  # (B, N, T, 1)
+    delta = tf.reduce_sum(d_out * tf.cast(out, tf.float32), axis=-1, keepdims=True)  # (B, N, T, 1)
     d_out = tf.cast(d_out, v.dtype)
     k_chunks, v_chunks = plan.split(k), plan.split(v)
     dk_parts = tf.TensorArray(tf.float32, size=plan.count)
