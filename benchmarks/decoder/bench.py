@@ -30,6 +30,11 @@ Configurations:
     kvram_attention_lean_chunk1024  the same with kvram.speed.lean_activations
                     (GPT-2's tanh-approximated GELUs and its norms keep their
                     inputs alone).
+    kvram_model_attention_lean_chunk1024  the same model as a `kvram.Model`,
+                    compiled with kvram's defaults (`steps_per_execution="auto"`:
+                    16 batches a call here, as no callback sees every batch).
+    keras_bf16_spe16  plain Keras compiled with `steps_per_execution=16`: what
+                    the loop alone gives plain Keras.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ CONFIGS = {
     "kvram_attention_dots": dict(kvram="blocks", policy="save_dots", attention=True),
     "kvram_attention_chunk1024": dict(kvram=None, attention=True, chunk_size=1024),
     "kvram_attention_lean_chunk1024": dict(kvram=None, attention=True, chunk_size=1024, lean=True),
+    "kvram_model_attention_lean_chunk1024": dict(kvram="model", attention=True, chunk_size=1024, lean=True),
+    "keras_bf16_spe16": dict(kvram=None, spe=16),
 }
 
 
@@ -94,10 +101,14 @@ def build(settings, batch, sequence, budget_gib):
                             optimizer=keras.optimizers.AdamW(1e-4))
         planning = {"plan_s": time.perf_counter() - started, "plan": str(chosen)}
         model = chosen.apply()
+    elif settings["kvram"] == "model":
+        model = kvram.Model(model.input, model.output, name=model.name)
+    loop = {"steps_per_execution": settings["spe"]} if settings.get("spe") else {}  # else each Model's default
     model.compile(
         optimizer=keras.optimizers.AdamW(1e-4),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=True,
+        **loop,
     )
     return model, tf.data.Dataset.from_tensors((x, y)).repeat(), planning
 
@@ -114,6 +125,7 @@ def run(name, batch, sequence, steps, warmup, budget_gib):
         "framework": f"tensorflow {tf.__version__}, keras {keras.__version__}",
         "settings": settings,
         "parameters": model.count_params(),
+        "steps_per_execution": int(model.steps_per_execution or 1),
         "tokens_per_s": batch * sequence * timed["steps"] / timed["seconds"],
         "peak_gib": timed["peak_gib"]["GPU:0"],
         "final_loss": timed["loss"],
@@ -144,7 +156,7 @@ def main():
         __file__, names,
         ["--batch", args.batch, "--sequence", args.sequence, "--steps", args.steps, "--warmup", args.warmup,
          "--budget-gib", args.budget_gib],
-        lambda r: f"{r['tokens_per_s']:9.0f} tokens/s  {r['peak_gib']:6.2f} GiB  loss {r['final_loss']:.3f}",
+        lambda r: f"{r['tokens_per_s']:9.0f} tokens/s  {r['peak_gib'] or 0:6.2f} GiB  loss {r['final_loss']:.3f}",
     )
     report = {
         "benchmark": "gpt2_medium-train", "gpu": gpu_name(), "python": platform.python_version(),
