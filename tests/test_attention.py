@@ -446,11 +446,15 @@ def test_products_under_xla_are_batch_matmuls_with_float32_results():
     q, v = inputs()
     mea(q, v)
     step = tf.function(lambda q, v: mea(q, v, attention_mask=padding()), jit_compile=True)
-    graph = step.get_concrete_function(q, v).graph
-    names = [op.type for op in graph.get_operations()]
-    for function in graph._functions.values():  # the loop bodies are functions of their own
-        names += [node.op for node in function.definition.node_def]
+    names = [node.op for node in _traced_nodes(step.get_concrete_function(q, v).graph)]
     assert "BatchMatMulV3" in names, sorted(set(names))
+
+
+def _traced_nodes(graph):
+    """The nodes of a traced `graph` and of the functions it calls (the loop
+    bodies are functions of their own)."""
+    definition = graph.as_graph_def()
+    return list(definition.node) + [node for function in definition.library.function for node in function.node_def]
 
 
 def test_under_xla_the_backward_rounds_its_two_score_shaped_products_and_nothing_else():
@@ -470,10 +474,7 @@ def test_under_xla_the_backward_rounds_its_two_score_shaped_products_and_nothing
         return tape.gradient(out, [q, v])
 
     graph = tf.function(step, jit_compile=True).get_concrete_function(q, v).graph
-    results = [op.get_attr("Tout").name for op in graph.get_operations() if op.type == "BatchMatMulV3"]
-    for function in graph._functions.values():  # the loop bodies are functions of their own
-        results += [tf.as_dtype(node.attr["Tout"].type).name for node in function.definition.node_def
-                    if node.op == "BatchMatMulV3"]
+    results = [tf.as_dtype(node.attr["Tout"].type).name for node in _traced_nodes(graph) if node.op == "BatchMatMulV3"]
     assert sorted(results) == ["bfloat16"] * 2 + ["float32"] * 5, results
 
 
