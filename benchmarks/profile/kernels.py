@@ -78,6 +78,30 @@ def _window(intervals) -> float:
     return max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
 
 
+def gaps(kernels, steps: int, largest: int = 12) -> dict:
+    """Where the GPU sat idle between kernels (any stream), per step: the idle
+    time in gaps under 50 us (launch after launch), 50 us to 1 ms, and 1 ms or
+    more (the host, or a copy, held the GPU up), and the `largest` gaps with
+    the kernels either side."""
+    ordered = sorted(kernels, key=lambda record: record[1])
+    found, end, before = [], None, None
+    for name, start, dur, _stream, _op in ordered:
+        if end is not None and start > end:
+            found.append((start - end, before, name))
+        if end is None or start + dur > end:
+            end, before = start + dur, name
+    bands = {"under_50us": (0, 50), "50us_to_1ms": (50, 1000), "1ms_or_more": (1000, float("inf"))}
+    return {
+        "steps": steps,
+        "idle_ms_per_step": {band: sum(g for g, *_ in found if low <= g < high) / steps / 1e3
+                             for band, (low, high) in bands.items()},
+        "gaps_per_step": {band: sum(1 for g, *_ in found if low <= g < high) / steps
+                          for band, (low, high) in bands.items()},
+        "largest": [{"ms": round(g / 1e3, 3), "after": a[:80], "before": b[:80]}
+                    for g, a, b in sorted(found, key=lambda item: -item[0])[:largest]],
+    }
+
+
 def breakdown(kernels, steps: int) -> dict:
     """Per-step milliseconds by kind, kernel counts, GPU busy time and idle gaps.
 
