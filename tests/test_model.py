@@ -323,26 +323,6 @@ def test_auto_runs_sixteen_batches_a_call_and_trains_the_same():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_several_batches_a_call_run_one_compiled_step_a_batch_and_train_as_keras_does():
-    """kvram.Model calls Keras's step batch by batch from Python (`step_by_step`),
-    not in Keras's `tf.while_loop`, whose condition the host reads back from the
-    GPU before each step. It trains as a keras.Model with the same
-    steps_per_execution does, a short last call (10 batches, 4 a call) included."""
-    ours, theirs = mlp(checkpoint=False), mlp(cls=keras.Model, checkpoint=False)
-    copy_weights(ours, theirs)
-    x, y = data(n=10 * 8)
-    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-    for net in (ours, theirs):
-        net.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
-        net.fit(batches, epochs=2, verbose=0)
-    assert int(ours.optimizer.iterations.numpy()) == int(theirs.optimizer.iterations.numpy()) == 20
-    for a, b in zip(values(ours.weights), values(theirs.weights)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    step = ours.train_function.step  # one batch a call: no loop in the compiled step
-    graph = step.get_concrete_function(next(iter(batches))).graph
-    assert not {op.type for op in graph.get_operations()} & {"While", "StatelessWhile"}
-
-
 @pytest.mark.slow
 def test_auto_runs_one_batch_a_call_for_a_callback_that_sees_every_batch():
     watcher = _EveryBatch()

@@ -374,11 +374,9 @@ class Model(keras.Model):
             and self._batch_controller is None
             and not _train_function.keras_step_fails(self)
         ):
-            # Keras's step, called batch by batch from Python (`step_by_step`:
-            # Keras's own loop over several batches a call stalls the GPU between them)
-            if self.train_function is None or force or isinstance(self.train_function, _train_function.TrainFunction):
-                self.train_function = _train_function.step_by_step(self, self.train_step)
-            return self.train_function
+            if isinstance(self.train_function, _train_function.TrainFunction):
+                force = True
+            return super().make_train_function(force=force)
         if self.train_function is not None and not force and isinstance(
             self.train_function, _train_function.TrainFunction
         ):
@@ -400,7 +398,7 @@ class Model(keras.Model):
         if not _train_function.keras_step_fails(self):
             return super().make_test_function(force=force)
         if self.test_function is None or force:
-            self.test_function = _train_function.step_by_step(self, self.test_step)
+            self.test_function = _train_function.distributed_test_function(self)
         return self.test_function
 
     def train_step(self, data):

@@ -79,36 +79,27 @@ def reduce_logs(logs, strategy):
     return reduce_per_replica(logs, strategy, reduction="auto")
 
 
-def step_by_step(model, step):
-    """A `model.train_function` / `test_function` that calls the compiled `step`
-    (`model.train_step` or `model.test_step`) once per batch from Python, for
-    `steps_per_execution` batches, where Keras's own function would not do:
+def distributed_test_function(model):
+    """`model.test_function` where Keras's fails under a strategy:
 
-    - Keras runs several batches a call in a `tf.while_loop` whose condition
-      the host reads back from the GPU before each step, so the GPU waits while
-      the host fetches, copies and launches the next batch: ViT-B/16 (batch
-      256, bf16, one H200) sat idle ~4 ms a step there, at each step's
-      MemcpyD2H and MemcpyH2D (`benchmarks/profile/step.py --model vit
-      --raw-dir`: benchmarks/results/profile_vit_gaps_h200.json). Called from
-      Python, no step waits for the one before it. kvram.Model trains so
-      whenever Keras's step itself works.
-    - over several workers, Keras's `reduce_per_replica` fails in fit(),
-      evaluate() and fit()'s validation (keras-team/keras#20585):
+    - over several workers, its `reduce_per_replica` fails in evaluate() and
+      fit()'s validation as in its train step (keras-team/keras#20585):
       `reduce_logs` replaces it;
     - under XLA over several local devices (MirroredStrategy on GPUs), Keras
       compiles `strategy.run` whole, one XLA computation that is placed on the
       first GPU and cannot read the other replicas' variables (its train step
       failed so on two H200s: benchmarks/results/distribute_2xh200_keras_step.json):
-      here each replica's step is compiled inside `strategy.run`, as Keras
-      itself compiles its predict step and kvram its train step.
+      here each replica's `test_step` is compiled inside `strategy.run`, as
+      Keras itself compiles its predict step and kvram its train step.
     """
     strategy = model.distribute_strategy
     per_replica = bool(model.jit_compile) and not model.run_eagerly and _local_devices(strategy) > 1
+    test_step = model.test_step
     if per_replica:
-        step = tf.function(step, reduce_retracing=True, jit_compile=True)
+        test_step = tf.function(test_step, reduce_retracing=True, jit_compile=True)
 
     def one_step(data):
-        return reduce_logs(strategy.run(step, args=(_no_optionals(data),)), strategy)
+        return reduce_logs(strategy.run(test_step, args=(_no_optionals(data),)), strategy)
 
     if not model.run_eagerly:
         one_step = tf.function(
