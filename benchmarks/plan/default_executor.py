@@ -40,8 +40,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import kvram  # noqa: E402
-from kvram import memory, remat  # noqa: E402
+from kvram import memory, remat, speed  # noqa: E402
 
 LOSS = "sparse_categorical_crossentropy"
 
@@ -66,7 +65,7 @@ def one_round(rows, size, fraction, jit=False, fuse=False):
     started = time.perf_counter()
     model = make()
     if fuse:
-        kvram.speed.fuse_batch_norm(model)
+        speed.fuse_batch_norm(model)
     least = remat.plan(model, (x, y), loss=LOSS, jit_compile=jit)
     planned_seconds = time.perf_counter() - started
     resident = least.resident_bytes

@@ -117,6 +117,11 @@ CONFIGS = {
 }
 
 
+# the transformer models: each kernel's time also by part (`kernels.by_part`),
+# from the op names of the step's HLO, which is always dumped for them
+_BY_PART = ("vit", "decoder")
+
+
 def _xla_dump_dir(raw_dir, name):
     return os.path.join(raw_dir or tempfile.gettempdir(), f"hlo_{name}")
 
@@ -179,7 +184,7 @@ def run_tf(name, settings, args):
         kernels = xspace_kernels(planes[0]) if planes else []
         result["profile"] = breakdown(kernels, profile_steps) if kernels else {
             "kernels": 0, "note": f"no GPU kernels in the trace ({len(planes)} xplane files)"}
-        if kernels and args.model in ("vit", "decoder"):
+        if kernels and args.model in _BY_PART:
             op_names = hlo_op_names(_xla_dump_dir(args.raw_dir, name))
             result["profile"]["hlo_instructions_named"] = len(op_names)
             result["profile"]["parts_ms_per_step"] = by_part(kernels, profile_steps, op_names)
@@ -273,7 +278,7 @@ def main():
         framework, settings = configs[name]
         env = dict(os.environ, **settings.get("env", {}))
         flags = [env.get("XLA_FLAGS", ""), settings.get("xla_flags", "")]
-        if framework == "tf" and (args.model in ("vit", "decoder") or settings.get("jit") and args.raw_dir):
+        if framework == "tf" and (args.model in _BY_PART or settings.get("jit") and args.raw_dir):
             flags += [f"--xla_dump_to={_xla_dump_dir(args.raw_dir, name)}", "--xla_dump_hlo_as_text"]
         env["XLA_FLAGS"] = " ".join(f for f in flags if f)
         command = [sys.executable, __file__, "--child", name, "--model", args.model, "--batch", str(args.batch),
