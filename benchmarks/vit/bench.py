@@ -134,6 +134,9 @@ CONFIGS = {
     # the batch's copy to the GPU: more batches ahead, or none (each step copies its own)
     "kvram_cudnn_lean_nockpt_prefetch8": ("tf", dict(_CUDNN, checkpoint=False, lean=True, prefetch=8)),
     "kvram_cudnn_lean_nockpt_noprefetch": ("tf", dict(_CUDNN, checkpoint=False, lean=True, prefetch=None)),
+    # Keras's multi-step loop with its 16 steps unrolled in the loop's body (the model's
+    # `unrolled_steps_per_execution`): the loop's condition is read once a call, not once a step
+    "kvram_cudnn_lean_nockpt_unroll16": ("tf", dict(_CUDNN, checkpoint=False, lean=True, unroll=16)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),
@@ -177,6 +180,8 @@ def build_tf(settings, batch, device):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             **tuning,
         )
+        if "unroll" in settings:  # Keras's TensorFlow trainer reads it when it makes its train function
+            model.unrolled_steps_per_execution = settings["unroll"]
         x = tf.random.uniform((batch, 224, 224, 3))
         y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
     return model, tf.data.Dataset.from_tensors((x, y)).repeat()
