@@ -196,9 +196,10 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
     `budget_bytes`, with the least recomputation (see the module docstring).
 
     Runs measured training steps of `model` on `sample_batch` (on the default
-    device: the GPU when there is one); its variables are read, not changed,
-    except BatchNormalization's moving statistics and seed states, which
-    advance as in training steps.
+    device: the GPU when there is one). The steps move BatchNormalization's
+    moving statistics and seed states; each puts them back
+    (`kvram.memory.state_kept`), so the model's variables, and its
+    optimizer's, are bit-identical afterwards.
 
     Args:
         model: a functional Keras model (see `segments`).
