@@ -2,7 +2,8 @@
 # kvram plan's wall time with XLA's parallel LLVM compilation, against without, one after the other
 # on one machine. XLA's GPU compiler splits a module's LLVM IR over a thread pool only with
 # --xla_gpu_enable_llvm_module_compilation_parallelism (default off) and a pool: TensorFlow's JIT
-# passes none, so --xla_gpu_force_compilation_parallelism=N gives it one (gpu_compiler.cc,
+# passes none (tensorflow/compiler/jit/device_compiler_client.cc, GetExecutableBuildOptions), so
+# --xla_gpu_force_compilation_parallelism=N gives it one (xla/service/gpu/gpu_compiler.cc,
 # CompileToTargetBinary). Both flags are accepted by TensorFlow 2.21's XLA. Each run is
 # benchmarks/plan/minute.sh (same commands, same outputs) under $OUT/default and $OUT/parallelN:
 #   bash benchmarks/plan/compile_parallel.sh convnext_small [resnet50 vit_b16] [--measure]
