@@ -35,6 +35,11 @@ Configurations:
                     16 batches a call here, as no callback sees every batch).
     keras_bf16_spe16  plain Keras compiled with `steps_per_execution=16`: what
                     the loop alone gives plain Keras.
+    kvram_plan_attention_lean_chunk1024  what the transformers guide
+                    recommends, then planned: efficient_attention (one chunk)
+                    and lean_activations, then `kvram.remat.plan` to
+                    `--budget-gib` (recomputing only what the budget needs),
+                    applied (a `kvram.Model`, kvram's defaults).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ CONFIGS = {
     "kvram_attention_lean_chunk1024": dict(kvram=None, attention=True, chunk_size=1024, lean=True),
     "kvram_model_attention_lean_chunk1024": dict(kvram="model", attention=True, chunk_size=1024, lean=True),
     "keras_bf16_spe16": dict(kvram=None, spe=16),
+    "kvram_plan_attention_lean_chunk1024": dict(kvram="plan", attention=True, chunk_size=1024, lean=True),
 }
 
 
@@ -99,7 +105,7 @@ def build(settings, batch, sequence, budget_gib):
         chosen = remat.plan(model, (x, y), int(budget_gib * 2**30),
                             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                             optimizer=keras.optimizers.AdamW(1e-4))
-        planning = {"plan_s": time.perf_counter() - started, "plan": str(chosen)}
+        planning.update(plan_s=time.perf_counter() - started, plan=str(chosen))
         model = chosen.apply()
     elif settings["kvram"] == "model":
         model = kvram.Model(model.input, model.output, name=model.name)
@@ -144,14 +150,14 @@ def main():
     parser.add_argument("--sequence", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--budget-gib", type=float, default=0.0, help="kvram_plan's budget")
+    parser.add_argument("--budget-gib", type=float, default=0.0, help="the kvram_plan* configurations' budget")
     parser.add_argument("--out")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child_result(run(args.child, args.batch, args.sequence, args.steps, args.warmup, args.budget_gib))
         return
-    names = args.only or [n for n in CONFIGS if n != "kvram_plan" or args.budget_gib]
+    names = args.only or [n for n in CONFIGS if CONFIGS[n]["kvram"] != "plan" or args.budget_gib]
     results = run_children(
         __file__, names,
         ["--batch", args.batch, "--sequence", args.sequence, "--steps", args.steps, "--warmup", args.warmup,
