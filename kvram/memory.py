@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import re
+import threading
 import time
 from typing import Iterator
 
@@ -36,6 +38,35 @@ def is_out_of_memory(error: BaseException) -> bool:
         message = str(error).lower()
         return any(marker in message for marker in _OOM_MARKERS)
     return False
+
+
+_collections = threading.local()
+
+
+def _note_full_collection(phase: str, info: dict) -> None:
+    if phase == "start" and info.get("generation") == 2:
+        _collections.ran = True  # thread-local: the collecting thread's
+
+
+def collect_garbage(tries: int = 1000) -> None:
+    """A full garbage collection made by this thread, before a measurement that
+    counts on the garbage being gone (tensors of earlier steps, traces).
+    `gc.collect()` does nothing and returns 0 while another thread's
+    collection runs (CPython's gc_collect_impl), which happens when that
+    collection's finalizers hand the GIL over; a clean-clone CI run once found
+    a cycle uncollected after one. Asked again, 1 ms apart, up to `tries`
+    times, until one of this thread's ran (seen by a `gc.callbacks` entry,
+    there only meanwhile)."""
+    gc.callbacks.append(_note_full_collection)
+    try:
+        for _ in range(tries):
+            _collections.ran = False
+            gc.collect()
+            if _collections.ran:
+                return
+            time.sleep(0.001)
+    finally:
+        gc.callbacks.remove(_note_full_collection)
 
 
 _DEVICE = re.compile(r"^(?:/?(?:device:)?)?(CPU|GPU)(?::(\d+))?$", re.IGNORECASE)

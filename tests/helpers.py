@@ -1,7 +1,6 @@
 """Shared test helpers."""
 
 import contextlib
-import gc
 import os
 import subprocess
 import sys
@@ -43,7 +42,7 @@ def run_with_peak(step, *args, warm: bool = False, repeat: int = 1):
 
     repeat = min(repeat, peak_steps())
 
-    gc.collect()  # as the planner's checks do before theirs (kvram.remat._check._step_peak_or_raise)
+    kvram.memory.collect_garbage()  # as the planner's checks do before theirs (kvram.remat._check._step_peak_or_raise)
     step.get_concrete_function(*args)
     if warm:
         step(*args)

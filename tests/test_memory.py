@@ -120,3 +120,43 @@ def test_cpu_without_statistics_says_how_to_get_them():
     )
     assert out.count("ERROR No memory statistics for device 'CPU:0'") == 3, out[-3000:]
     assert out.count("TF_ENABLE_ONEDNN_OPTS=1") == 3, out[-3000:]
+
+
+def test_collect_garbage_collects_while_another_threads_collection_runs():
+    import gc
+    import threading
+    import weakref
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def __del__(self):
+            entered.set()
+            release.wait(10)  # hands the GIL over inside the other thread's collection
+
+    class Node:
+        pass
+
+    def collect_slow_garbage():
+        slow = Slow()
+        slow.self = slow
+        del slow
+        gc.collect()
+
+    other = threading.Thread(target=collect_slow_garbage)
+    other.start()
+    try:
+        assert entered.wait(10)
+        node = Node()
+        node.self = node
+        ref = weakref.ref(node)
+        del node
+        gc.collect()  # does nothing while the other collection runs
+        assert ref() is not None
+        threading.Timer(0.2, release.set).start()
+        memory.collect_garbage()
+        assert ref() is None and release.is_set()
+        assert memory._note_full_collection not in gc.callbacks
+    finally:
+        release.set()
+        other.join()

@@ -746,22 +746,6 @@ def test_plan_under_mixed_precision():
         keras.config.set_dtype_policy(previous)
 
 
-def _collect_until(done, tries: int = 50) -> None:
-    """gc.collect() until `done()`, at most `tries` times. A collection asked for
-    while another thread's is under way (its finalizers can hand the GIL over) does
-    nothing and returns 0 (CPython's gc_collect_impl); a clean-clone CI run on
-    2 cores once found a cycle made within `new_garbage_only` uncollected after one
-    gc.collect()."""
-    import gc
-    import time
-
-    for _ in range(tries):
-        gc.collect()
-        if done():
-            return
-        time.sleep(0.01)
-
-
 def test_planning_collections_scan_only_new_objects_and_leave_the_collector_as_found():
     import gc
     import weakref
@@ -784,11 +768,11 @@ def test_planning_collections_scan_only_new_objects_and_leave_the_collector_as_f
             assert gc.get_freeze_count() > 0
             new_ref = weakref.ref(cycle())
             del old
-            _collect_until(lambda: new_ref() is None)
+            kvram.memory.collect_garbage()  # made by this thread, whatever other threads collect
             # garbage made within is collected; what was alive on entry is out of sight
             assert new_ref() is None and old_ref() is not None
         assert gc.get_freeze_count() == 0
-        _collect_until(lambda: old_ref() is None)
+        kvram.memory.collect_garbage()
         assert old_ref() is None
         gc.freeze()  # a process that froze its own objects keeps them frozen
         frozen = gc.get_freeze_count()

@@ -3,7 +3,6 @@ trains with, by probes that leave the model as they found it."""
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from typing import NamedTuple
@@ -14,7 +13,7 @@ from keras import tree
 from keras.src.utils import io_utils
 
 from kvram import _checks
-from kvram.memory import is_out_of_memory
+from kvram.memory import collect_garbage, is_out_of_memory
 from kvram.training import Model
 from kvram.training._model import train_function_for
 from kvram.training._step import unique
@@ -114,7 +113,7 @@ def find_max_batch_size(
             for variable, value in saved:
                 variable.assign(value)
             del batch
-            gc.collect()
+            collect_garbage()
         probes.append(
             {
                 "size": size,

@@ -138,7 +138,7 @@ def _step_peak(model, x, y, loss_fn, device, jit) -> int:
         with memory.state_kept(model):  # the steps move BatchNormalization statistics and seeds
             return _step_peak_or_raise(model, x, y, loss_fn, device, jit)
     except tf.errors.ResourceExhaustedError:
-        gc.collect()
+        memory.collect_garbage()
         return _OutOfMemory(_free_bytes(device))
 
 
@@ -159,7 +159,7 @@ def new_garbage_only():
     holding TensorFlow and Keras alone (380k objects) took 0.35 s; planning
     MobileNetV3Small (batch 32, 64x64) and one budget spent 3.9 s in 7
     collections without this, 2.0 s in 9 with it (the plans differed)."""
-    gc.collect()
+    memory.collect_garbage()
     ours = gc.get_freeze_count() == 0
     if ours:
         gc.freeze()
@@ -178,7 +178,7 @@ def _step_peak_or_raise(model, x, y, loss_fn, device, jit) -> int:
     # each value the lower of two traces: 89.2-94.1 MiB in 10 of 12 measurements and
     # 104.3-105.8 in 2 without a collection before each trace; 80.5-87.9 MiB in 10 of 10
     # with one (another plan of the same model; MobileNetV3Small: no difference).
-    gc.collect()
+    memory.collect_garbage()
     variables = model.trainable_variables
 
     @tf.function(jit_compile=jit)

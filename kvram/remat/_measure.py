@@ -3,7 +3,6 @@ present device, beside plain Keras: peak memory and samples/s."""
 
 from __future__ import annotations
 
-import gc
 import time
 
 import keras
@@ -40,7 +39,7 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
     try:
         results = {"device": device, "steps": steps}
         for kind in ("kvram",) * kvram + ("plain",) * plain:
-            gc.collect()
+            memory.collect_garbage()
             baseline = memory.current_bytes(device)  # what was there before: not this run's
             model = build()
             # host copies (np.array copies: a CPU tensor's buffer is not kept alive)
@@ -97,7 +96,7 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
             else:
                 results["plain"] = entry
             del model, trained, saved
-            gc.collect()
+            memory.collect_garbage()
         return results
     finally:
         keras.config.set_dtype_policy(previous)

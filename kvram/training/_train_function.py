@@ -35,7 +35,6 @@ the controller can predict memory per row.
 
 from __future__ import annotations
 
-import gc
 import time
 
 import keras
@@ -44,7 +43,7 @@ from keras import tree
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kvram.memory import is_out_of_memory
+from kvram.memory import collect_garbage, is_out_of_memory
 from kvram.training import _step
 
 __all__ = ["TrainFunction"]
@@ -199,7 +198,7 @@ class TrainFunction:
                 seconds = time.perf_counter() - started
                 self._restore(saved)
                 del saved
-                gc.collect()
+                collect_garbage()
                 micro_batch_size = controller.recover(
                     model, error, micro_batch_size, rows, seconds
                 )
@@ -225,7 +224,7 @@ class TrainFunction:
         finally:
             self._restore(saved)
             del saved, part
-            gc.collect()
+            collect_garbage()
 
     def gradients_function(self, data):
         """Part 1 (see the module doc), `(data, micro_batch_size) -> (gradients,
