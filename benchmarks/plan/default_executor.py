@@ -25,7 +25,6 @@ count them. Writes JSON with every round and the medians.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -48,7 +47,7 @@ LOSS = "sparse_categorical_crossentropy"
 def fit_peak(model, x, y, jit=False, steps=6) -> int:
     model.compile(optimizer="adam", loss=LOSS, jit_compile=jit)
     model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(2), verbose=0)  # builds, traces
-    gc.collect()
+    memory.collect_garbage()
     start = memory.current_bytes("CPU:0")
     memory.reset_peak("CPU:0")
     model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(steps), verbose=0)

@@ -9,7 +9,8 @@ least memory), and measures the peak of a training step's gradients (a
 and of `plan.apply()`, three steps each on a new trace, on the default
 executor and in one op order (`tests.helpers.one_op_order`: the
 single-threaded executor, Grappler's dependency and memory optimizers off).
-Peaks are bytes allocated on CPU:0 beyond what was allocated before the step.
+Peaks are bytes allocated on CPU:0 beyond what was allocated before the step
+(`tests.helpers.run_with_peak`, as the tests measure steps).
 
     python benchmarks/plan/op_order.py --rounds 3 --out op_order_cpu.json
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import platform
@@ -33,8 +33,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from kvram import memory, remat  # noqa: E402
-from tests.helpers import one_op_order  # noqa: E402
+from kvram import remat  # noqa: E402
+from tests.helpers import one_op_order, run_with_peak  # noqa: E402
 
 
 def step_peaks(model, x, y, ordered: bool, steps: int = 3) -> list:
@@ -49,13 +49,8 @@ def step_peaks(model, x, y, ordered: bool, steps: int = 3) -> list:
                     loss = loss_fn(y, model(x, training=True))
                 return tape.gradient(loss, model.trainable_variables)
 
-            step(x, y)  # traces; its one-time allocations stay out
-            gc.collect()
-            start = memory.current_bytes("CPU:0")
-            memory.reset_peak("CPU:0")
-            gradients = step(x, y)
-            peaks.append(memory.peak_bytes("CPU:0") - start)
-            del gradients
+            # traced and run once first: its one-time allocations stay out
+            peaks.append(run_with_peak(step, x, y, warm=True)[1])
     return peaks
 
 
