@@ -20,25 +20,6 @@ def add_xla_flags(settings: dict) -> None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + settings["xla_flags"]).strip()
 
 
-# XLA's default command-buffer commands (xla/debug_options_flags.cc) and its
-# conditionals: a conditional then runs as a CUDA graph's conditional node, not
-# as a predicate copied to the host and waited for
-COMMAND_BUFFER_CONDITIONALS = (
-    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL"
-)
-
-
-def guard_as_before(settings: dict) -> None:
-    """A configuration's `"guard": "cond"`: kvram's guarded update is a
-    `tf.cond` under XLA too (an XLA conditional), as before it became
-    branch-free there (`kvram.training._step.apply_unless_nonfinite`); for the
-    two measured in one run. Call it after importing kvram, before tracing."""
-    if settings.get("guard") == "cond":
-        from kvram.training import _step
-
-        _step.compiled_with_xla = lambda model: False
-
-
 def gpu_name() -> str:
     try:
         out = subprocess.run(

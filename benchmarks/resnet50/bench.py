@@ -26,9 +26,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import (  # noqa: E402
-    COMMAND_BUFFER_CONDITIONALS, add_xla_flags, guard_as_before, timed_fit, timed_torch_steps, training_main,
-)
+from benchmarks.common import add_xla_flags, timed_fit, timed_torch_steps, training_main  # noqa: E402
 
 # name: (framework, settings)
 CONFIGS = {
@@ -85,21 +83,6 @@ CONFIGS = {
     "kvram_bf16_pin_spe16": (
         "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=False, spe=16, pin=True)
     ),
-    "kvram_bf16_pin_spe16_cublaslt": (
-        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true")
-    ),
-    # kvram's guarded update as a tf.cond (an XLA conditional the host waits for),
-    # as before it became branch-free under XLA
-    "kvram_bf16_pin_spe16_cublaslt_condguard": (
-        "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true", guard="cond")
-    ),
-    # Keras's LossScaleOptimizer decides in a tf.cond: here in XLA's command buffers
-    "kvram_fp16_pin_spe16_cublaslt_cmdbuf": (
-        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true " + COMMAND_BUFFER_CONDITIONALS)
-    ),
     "kvram_bf16_ckpt_pin_spe16": (
         "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, spe=16, pin=True)
     ),
@@ -145,7 +128,6 @@ def build_tf(settings, batch, device, image_size=224):
 
     if settings.get("pin"):
         kvram.speed.pin_host_memory()  # before TF's first operation
-    guard_as_before(settings)
     kvram.precision.enable(settings["policy"])
     shape = (image_size, image_size, 3)
     with tf.device(device):

@@ -39,10 +39,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import (  # noqa: E402
-    COMMAND_BUFFER_CONDITIONALS, add_xla_flags, guard_as_before, timed_fit, timed_torch_steps,
-    training_main, versions,
-)
+from benchmarks.common import add_xla_flags, timed_fit, timed_torch_steps, training_main, versions  # noqa: E402
 
 # what every kvram_cudnn_* configuration shares
 _CUDNN = dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", spe=16, pin=True,
@@ -140,14 +137,6 @@ CONFIGS = {
     # Keras's multi-step loop with its 16 steps unrolled in the loop's body (the model's
     # `unrolled_steps_per_execution`): the loop's condition is read once a call, not once a step
     "kvram_cudnn_lean_nockpt_unroll16": ("tf", dict(_CUDNN, checkpoint=False, lean=True, unroll=16)),
-    # kvram's guarded update as a tf.cond, an XLA conditional whose predicate the host
-    # waits for (the update before it became branch-free under XLA); and that
-    # conditional in XLA's command buffers (a CUDA graph's conditional node)
-    "kvram_cudnn_lean_nockpt_condguard": ("tf", dict(_CUDNN, checkpoint=False, lean=True, guard="cond")),
-    "kvram_cudnn_lean_nockpt_condguard_cmdbuf": (
-        "tf", dict(_CUDNN, checkpoint=False, lean=True, guard="cond",
-                   xla_flags=_CUDNN["xla_flags"] + " " + COMMAND_BUFFER_CONDITIONALS)
-    ),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),
@@ -170,7 +159,6 @@ def build_tf(settings, batch, device):
 
     if settings.get("pin"):
         kvram.speed.pin_host_memory()  # before TF's first operation
-    guard_as_before(settings)
     kvram.precision.enable(settings["policy"])
     with tf.device(device):
         model = vit_b16(

@@ -417,9 +417,7 @@ class Model(keras.Model):
                 gradients,
                 self.trainable_weights,
                 finite=finite,
-                bad_inputs=_step.bad_inputs(
-                    finite, (x, y, sample_weight), branch_free=_step.compiled_with_xla(self)
-                ),
+                bad_inputs=_step.bad_inputs(finite, (x, y, sample_weight)),
             )
         else:
             warnings.warn("The model does not have any trainable weights.")

@@ -44,24 +44,15 @@ def check_mean_reductions(loss) -> None:
             )
 
 
-def compiled_with_xla(model) -> bool:
-    """Whether `model`'s training step is traced into an XLA computation."""
-    return bool(model.jit_compile) and not model.run_eagerly and not tf.executing_eagerly()
-
-
-def bad_inputs(finite, data, branch_free=False) -> tf.Tensor:
+def bad_inputs(finite, data) -> tf.Tensor:
     """A boolean scalar: the batch's floating-point tensors hold NaN/Inf.
 
     Checked only when `finite` (the step's gradients are all finite) is False,
-    so healthy steps pay nothing for it. With `branch_free` (a step compiled
-    with XLA, see `apply_unless_nonfinite`) the batch is checked every step
-    instead, a read of the batch, and no conditional is made.
+    so healthy steps pay nothing for it.
     """
     tensors = [t for t in tree.flatten(data) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
     if not tensors:
         return tf.constant(False)
-    if branch_free:
-        return tf.logical_and(tf.logical_not(finite), tf.logical_not(all_finite(tensors)))
     return tf.cond(
         finite, lambda: tf.constant(False), lambda: tf.logical_not(all_finite(tensors))
     )
@@ -292,36 +283,11 @@ def _count_and_apply(model, state, gradients, trainable_weights, finite, bad_inp
 
         context.merge_call(cross_replica, args=(list(gradients), finite))
         return
-    if compiled_with_xla(model) and not (context is not None and context.num_replicas_in_sync > 1):
-        apply_unless_nonfinite(model.optimizer, gradients, trainable_weights, finite)
-        return
     tf.cond(
         finite,
         lambda: model.optimizer.apply(gradients, trainable_weights),
         lambda: None,
     )
-
-
-def apply_unless_nonfinite(optimizer, gradients, trainable_weights, finite) -> None:
-    """`optimizer.apply(gradients, trainable_weights)`, then every variable it
-    may write (the weights and the optimizer's own) put back to its value from
-    before where `finite` is False: the same result as applying under
-    `tf.cond(finite, ...)`, without a conditional.
-
-    For a step compiled with XLA. There a `tf.cond` becomes an XLA conditional,
-    and XLA's GPU runtime copies a conditional's predicate to the host and waits
-    for it (`ConditionalThunk`, not in a command buffer by default): the GPU
-    ran dry once a step while the host launched the update and the next step.
-    The selects here fuse into the update's own elementwise kernels. The
-    optimizer must be built.
-    """
-    written = unique([*trainable_weights, *optimizer.variables])
-    # Read before the update: the function's automatic control dependencies
-    # order these reads before the optimizer's assignments.
-    before = [tf.identity(v.value) for v in written]
-    optimizer.apply(gradients, trainable_weights)
-    for variable, old in zip(written, before):
-        variable.assign(tf.where(finite, variable.value, old))
 
 def _clip_across_replicas(model, context, gradients):
     """Clips the replicas' summed gradient to `clip_global_norm`.
