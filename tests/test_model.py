@@ -113,10 +113,11 @@ def _all_optimizer_values(model):
     return values(model.optimizer.variables)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])  # True: the guard is an XLA conditional
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_nonfinite_batch_changes_nothing_and_is_counted(bad):
+def test_nonfinite_batch_changes_nothing_and_is_counted(bad, jit_compile):
     model = mlp()
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss="mse", jit_compile=jit_compile)
     x, y = data(16)
     model.train_on_batch(x, y)  # optimizer built, slots non-zero
     weights, slots = values(model.weights), _all_optimizer_values(model)
