@@ -151,7 +151,7 @@ def run_tf(name, settings, args):
     elif args.model == "decoder":
         from benchmarks.decoder.bench import build as build_decoder
 
-        model, data, _ = build_decoder(settings, batch, args.sequence, 0.0)
+        model, data, _ = build_decoder(settings, batch, args.sequence, args.budget_gib)
     else:
         # the ResNet50 benchmark's model and data; here the model defaults to Keras's,
         # and models/resnet50.py to no checkpointing
@@ -259,6 +259,8 @@ def main():
     parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0: smoke test)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--sequence", type=int, default=1024, help="--model decoder: tokens per row")
+    parser.add_argument("--budget-gib", type=float, default=0.0,
+                        help="--model decoder: the kvram_plan* configurations' budget (as in its bench.py)")
     parser.add_argument("--raw-dir", default=None, help="keep kernel records and HLO here")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     parser.add_argument("--out", default=None)
@@ -284,7 +286,8 @@ def main():
         command = [sys.executable, __file__, "--child", name, "--model", args.model, "--batch", str(args.batch),
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--profile-steps", str(args.profile_steps), "--device", args.device,
-                   "--image-size", str(args.image_size), "--sequence", str(args.sequence)]
+                   "--image-size", str(args.image_size), "--sequence", str(args.sequence),
+                   "--budget-gib", str(args.budget_gib)]
         if args.raw_dir:
             command += ["--raw-dir", args.raw_dir]
         started = time.perf_counter()
