@@ -149,6 +149,7 @@ def _options(argv: list[str]):
     parser.add_argument("--isolate", default="auto")
     parser.add_argument("--checks-file", default=None)
     parser.add_argument("--plan-child", default=None)
+    parser.add_argument("--measure", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     known, _ = parser.parse_known_args(words[1:])
     return (words[0] if words else None), known
@@ -191,20 +192,67 @@ def _kept_checks(path: str) -> CheckStore:
         return CheckStore(None)
 
 
+# XLA's autotuning picks the fastest kernels by running candidates: of
+# ConvNeXtSmall's one check (batch 128 under 12GB on an H200), 51 s of the 86 s
+# of HLO passes. A check is after the step's memory, not its speed: without
+# autotuning that check took 56 s against 123 s and its step peaked at 8.72
+# GiB against 8.75 (benchmarks/results/plan_minute_h200/README.md).
+UNTUNED = "--xla_gpu_autotune_level=0"
+
+
+def checking_environment(environ=None) -> dict:
+    """The estimate's child's environment: `environ` with XLA's autotuning off
+    (`UNTUNED` added to XLA_FLAGS), unless XLA_FLAGS sets a level already."""
+    env = dict(os.environ if environ is None else environ)
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_gpu_autotune_level" not in flags:
+        env["XLA_FLAGS"] = f"{flags} {UNTUNED}".strip()
+    return env
+
+
 def supervise(argv: list[str], checks_file: str | None) -> int:
     """Runs `kvram plan` with these arguments in a child process that keeps
     its checks in a file, and starts it again from them when a signal kills
     it; the checks made before are not made again (one that ran out of memory
-    is kept as such). The child's exit code."""
+    is kept as such). The child compiles its checks without XLA's autotuning
+    (`checking_environment`); with `--measure`, the recommendation is then
+    trained in a second child, whose steps are compiled as the user's training
+    will be (`XLA_FLAGS` as given). The exit code of the last child."""
     own = checks_file is None
     path = checks_file or os.path.join(tempfile.mkdtemp(prefix="kvram-plan-"), "checks.json")
     run = uuid.uuid4().hex
     command = [sys.executable, "-m", "kvram", *argv, "--isolate", "never", "--checks-file", path,
                "--plan-child", run]
+    estimate_file = None
+    if _options(argv)[1].measure:
+        estimate_file = os.path.join(tempfile.mkdtemp(prefix="kvram-plan-"), "estimate.json")
+        command += ["--estimate-file", estimate_file]
+    try:
+        return _estimate_then_measure(argv, command, path, run, own, estimate_file)
+    finally:
+        if estimate_file is not None:
+            shutil.rmtree(os.path.dirname(estimate_file), ignore_errors=True)
+
+
+def _estimate_then_measure(argv, command, path, run, own, estimate_file) -> int:
+    code = _estimate(command, path, run, own)
+    if code != 0 or estimate_file is None or not os.path.exists(estimate_file):
+        return code  # failed, or nothing recommended to measure
+    measuring = [sys.executable, "-m", "kvram", *argv, "--isolate", "never", "--measure-from", estimate_file]
+    code = subprocess.call(measuring)
+    if code < 0:
+        print(f"kvram plan: the process training the recommendation for --measure {describe_exit(code)}; "
+              "the estimate above stands", file=sys.stderr, flush=True)
+        return 1
+    return code
+
+
+def _estimate(command, path, run, own) -> int:
+    env = checking_environment()
     for restart in range(RESTARTS + 1):
         kept = _kept_checks(path)
         before, progress = len(kept.checks), kept.progress()
-        code = subprocess.call(command)
+        code = subprocess.call(command, env=env)
         finished = _kept_checks(path).finished or {}
         if code < 0 and finished.get("run") == run:  # killed after it had finished
             print(f"kvram plan: the estimate's process {describe_exit(code)} after it finished", file=sys.stderr)

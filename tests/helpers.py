@@ -339,3 +339,14 @@ def aborting_model():
         step_peak.aborts = True
         remat._check._step_peak_or_raise = step_peak
     return residual_model()
+
+
+def flags_recording_model():
+    """`residual_model()`, for `kvram plan --model tests.helpers:flags_recording_model`
+    in child processes: each build appends its process id and XLA_FLAGS, as a
+    JSON line, to the file `KVRAM_TEST_FLAGS_LOG` names."""
+    import json
+
+    with open(os.environ["KVRAM_TEST_FLAGS_LOG"], "a") as log:
+        log.write(json.dumps([os.getpid(), os.environ.get("XLA_FLAGS")]) + "\n")
+    return residual_model()

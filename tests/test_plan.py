@@ -2,6 +2,7 @@
 
 import functools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -503,7 +504,7 @@ def test_cli_plan_child_killed_after_it_finished_is_not_started_again(tmp_path, 
 
     calls = []
 
-    def finished_then_killed(command):
+    def finished_then_killed(command, **kwargs):
         calls.append(command)
         path, run = command[command.index("--checks-file") + 1], command[command.index("--plan-child") + 1]
         _plan_process.CheckStore(path).finish(run, 0)
@@ -627,3 +628,114 @@ def test_least_out_of_memory_says_nothing_fits(monkeypatch):
     x = np.random.default_rng(0).random((16, 32, 32, 3)).astype("float32")
     with pytest.raises(ValueError, match="least-memory choice .* ran out of the device's memory .* nothing fits"):
         remat.plan(small_model(), (x, np.arange(16) % 10))
+
+
+@pytest.mark.parametrize("given, expected", [
+    (None, "--xla_gpu_autotune_level=0"),
+    ("--xla_gpu_enable_cublaslt=true", "--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0"),
+    ("--xla_gpu_autotune_level=2", "--xla_gpu_autotune_level=2"),  # the user's level stays
+])
+def test_plan_checks_compile_without_autotuning_unless_xla_flags_set_a_level(given, expected):
+    environ = {"PATH": "/bin"} | ({"XLA_FLAGS": given} if given is not None else {})
+    env = _plan_process.checking_environment(environ)
+    assert env == environ | {"XLA_FLAGS": expected}
+    assert environ.get("XLA_FLAGS") == given  # the caller's mapping is left as it was
+
+
+def _report(recommended_runs=((2, 3),)):
+    """`Estimate.to_json`'s shape: two rows, the second recommended."""
+    row = {"precision": "float32", "remat": "none", "predicted_peak_bytes": 3 * 2**20,
+           "relative_step_time": 1.0, "fits": False, "predicted_by": "executor",
+           "executor_peak_bytes": None, "not_checked": "over the limit", "micro_batch_size": None,
+           "runs": [], "recommended": False}
+    chosen = row | {"micro_batch_size": 8, "remat": "fit", "predicted_peak_bytes": 2**20,
+                    "relative_step_time": 1.2, "fits": True, "predicted_by": "graph",
+                    "not_checked": None, "runs": [list(r) for r in recommended_runs], "recommended": True}
+    return {"memory_bytes": 2 * 2**20, "margin": 0.1, "batch_size": 16, "check_at": "batch",
+            "configurations": [row, chosen], "segments": {"float32": ["a", "b"]}, "measured": None,
+            "log": [[0.5, "measured cut by cut"]], "not_estimated": ["mixed_float16"]}
+
+
+def test_an_estimate_read_back_from_its_json_is_the_same():
+    report = _report()
+    found = remat.Estimate.from_json(json.loads(json.dumps(report)))
+    assert found.recommended is found.configurations[1] and found.recommended.runs == ((2, 3),)
+    assert found.configurations[0].runs == () and found.plain_configuration() is found.configurations[0]
+    again = found.to_json()
+    assert json.loads(json.dumps(again)) == report | {"segments": {}}  # the segments are its plans', which JSON does not hold
+    assert str(remat.Estimate.from_json(again)) == str(found) and "<- recommended" in str(found)
+
+
+def test_cli_plan_measures_in_a_second_child_compiled_as_training_will_be(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    calls, estimate_files = [], []
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_cublaslt=true")
+
+    def child(command, env=None):
+        calls.append((command, env))
+        if "--plan-child" in command:  # the estimate: written where the parent asked, then finished
+            path = command[command.index("--estimate-file") + 1]
+            estimate_files.append(path)
+            with open(path, "w") as f:
+                json.dump(_report(), f)
+            _plan_process.CheckStore(command[command.index("--checks-file") + 1]).finish(
+                command[command.index("--plan-child") + 1], 0)
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", child)
+    code = cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "16", "--measure",
+                     "--isolate", "always"])
+    assert code == 0 and len(calls) == 2, calls
+    (estimating, env), (measuring, measure_env) = calls
+    assert env["XLA_FLAGS"] == "--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0"
+    assert "--measure-from" not in estimating
+    # the second child: the user's environment (env=None inherits it), the estimate's file
+    assert measure_env is None and "--plan-child" not in measuring
+    assert measuring[-4:] == ["--isolate", "never", "--measure-from", estimate_files[0]]  # the last wins
+    assert not os.path.exists(os.path.dirname(estimate_files[0]))  # removed once measured
+
+
+def test_cli_plan_without_measure_starts_one_child(tmp_path, monkeypatch):
+    import subprocess
+
+    calls = []
+
+    def child(command, env=None):
+        calls.append(command)
+        _plan_process.CheckStore(command[command.index("--checks-file") + 1]).finish(
+            command[command.index("--plan-child") + 1], 0)
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", child)
+    assert cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "16",
+                     "--isolate", "always"]) == 0
+    assert len(calls) == 1 and "--estimate-file" not in calls[0]
+
+
+@pytest.mark.slow
+def test_cli_plan_in_children_checks_untuned_and_measures_as_given(tmp_path, monkeypatch, capfd):
+    # the real children: the estimate's builds see XLA_FLAGS with autotuning off,
+    # --measure's (another process) the user's XLA_FLAGS
+    log = tmp_path / "flags.jsonl"
+    monkeypatch.setenv("KVRAM_TEST_FLAGS_LOG", str(log))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_cublaslt=true")
+    out = tmp_path / "plan.json"
+    code = cli.main([
+        "plan", "--model", "tests.helpers:flags_recording_model", "--batch-size", "16", "--gpu-memory", "1GB",
+        "--precision", "float32", "--micro-batch-sizes", "none", "--measure", "--steps", "2",
+        "--isolate", "always", "--json", str(out),
+    ])
+    printed, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    builds = [json.loads(line) for line in log.read_text().splitlines()]
+    processes = list(dict.fromkeys(pid for pid, _ in builds))
+    assert len(processes) == 2, builds
+    flags = {pid: {f for p, f in builds if p == pid} for pid in processes}
+    assert flags[processes[0]] == {"--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0"}, builds
+    assert flags[processes[1]] == {"--xla_gpu_enable_cublaslt=true"}, builds
+    assert printed.count("<- recommended") == 1, printed
+    assert printed.index("<- recommended") < printed.index("measured, 2 steps on CPU:0"), printed
+    report = json.loads(out.read_text())
+    assert report["measured"]["samples_per_second"] > 0 and report["measured"]["plain"]["peak_bytes"] > 0
+    assert sum(c["recommended"] for c in report["configurations"]) == 1

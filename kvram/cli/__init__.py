@@ -191,8 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--isolate", choices=("auto", "always", "never"), default="auto",
                          help="run the estimate in a child process, started again from its kept checks "
                               "if a signal kills it (TensorFlow can abort after a GPU step out of "
-                              "memory); auto: when a GPU is present")
+                              "memory), its checks compiled without XLA's autotuning "
+                              "(--xla_gpu_autotune_level=0 unless XLA_FLAGS sets a level), and "
+                              "--measure in a second child, compiled as training will be; auto: "
+                              "when a GPU is present")
     planner.add_argument("--plan-child", default=None, help=argparse.SUPPRESS)  # set by --isolate's parent
+    # set by --isolate's parent with --measure: the estimate's child writes the estimate
+    # there, and a second child trains its recommendation (compiled as training will be)
+    planner.add_argument("--estimate-file", default=None, help=argparse.SUPPRESS)
+    planner.add_argument("--measure-from", default=None, help=argparse.SUPPRESS)
     planner.set_defaults(func=_plan)
     shards = sub.add_parser("shards", help="write or inspect .npy shard directories")
     shards_sub = shards.add_subparsers(dest="shards_command", required=True)

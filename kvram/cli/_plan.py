@@ -69,6 +69,8 @@ def _plan(args) -> int:
             raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
     shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
     build = _model_builder(args.model, shape, args.classes)
+    if args.measure_from:
+        return _end(args, _measure_from(args, build))
     try:
         found = remat.estimate(
             build, args.batch_size, memory_bytes=memory_bytes, optimizer=args.optimizer,
@@ -88,32 +90,64 @@ def _plan(args) -> int:
     # dies training keeps it)
     print(found, flush=True)
     save()
-    if args.measure and found.recommended is not None:
-        # Plain Keras is trained beside the recommendation unless the estimate did not
-        # check it (predicted over twice the limit): a compiled step that runs out of the
-        # GPU's memory takes a compile's time, and TensorFlow's allocator can abort the
-        # process after it (benchmarks/results/plan_minute_h200/README.md).
-        plain = found.plain_configuration()
-        skipped = plain.not_checked if plain is not None else None
-        found.measured = remat.measure(
-            build, found.recommended, args.batch_size, optimizer=args.optimizer, steps=args.steps,
-            plain=skipped is None,
-        )
-        if skipped is not None:
-            found.measured["plain"] = {"peak_bytes": None, "samples_per_second": None,
-                                       "error": f"not run (out of memory as estimated: {skipped})"}
-        print(found.measured_line())
+    if args.estimate_file and found.recommended is not None:
+        # --measure in a process of its own, which compiles as training will (this
+        # one's checks compile without XLA's autotuning: kvram._plan_process)
+        with open(args.estimate_file, "w") as f:
+            json.dump(found.to_json(), f)
+    elif args.measure and found.recommended is not None:
+        _measure(args, build, found)
         save()
     code = 0 if found.recommended is not None else 1
     if args.plan_child:
-        # Done: said in the checks file, and the process ends here, before
-        # TensorFlow's teardown (its GPU allocator aborted one at exit, after
-        # the estimate was printed: benchmarks/results/plan_h200/README.md).
+        # Done: said in the checks file (TensorFlow's teardown is skipped, see _end)
         CheckStore(args.checks_file).finish(args.plan_child, code)
+    return _end(args, code)
+
+
+def _end(args, code: int) -> int:
+    """`code`; in a child of `kvram plan`'s own process, the process ends
+    here, before TensorFlow's teardown (its GPU allocator aborted one at exit,
+    after the estimate was printed: benchmarks/results/plan_h200/README.md)."""
+    if args.plan_child or args.measure_from:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _measure(args, build, found) -> None:
+    """`--measure`: trains `found`'s recommendation (and plain Keras, where the
+    estimate checked it) and prints what it measured."""
+    # Plain Keras is trained beside the recommendation unless the estimate did not
+    # check it (predicted over twice the limit): a compiled step that runs out of the
+    # GPU's memory takes a compile's time, and TensorFlow's allocator can abort the
+    # process after it (benchmarks/results/plan_minute_h200/README.md).
+    plain = found.plain_configuration()
+    skipped = plain.not_checked if plain is not None else None
+    found.measured = remat.measure(
+        build, found.recommended, args.batch_size, optimizer=args.optimizer, steps=args.steps,
+        plain=skipped is None,
+    )
+    if skipped is not None:
+        found.measured["plain"] = {"peak_bytes": None, "samples_per_second": None,
+                                   "error": f"not run (out of memory as estimated: {skipped})"}
+    print(found.measured_line(), flush=True)
+
+
+def _measure_from(args, build) -> int:
+    """`--measure` for the estimate that `kvram plan`'s estimate process wrote
+    to `args.measure_from`; `--json`'s report gains what was measured."""
+    with open(args.measure_from) as f:
+        found = remat.Estimate.from_json(json.load(f))
+    _measure(args, build, found)
+    if args.json:
+        with open(args.json) as f:
+            report = json.load(f)
+        report["measured"] = found.measured
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
 
 
 def limit_gpu(memory_bytes: int) -> bool:

@@ -7,6 +7,7 @@ from them."""
 from __future__ import annotations
 
 import json
+import os
 
 import keras
 import numpy as np
@@ -35,10 +36,11 @@ class Checker:
         self.device = memory._device_name(None)
         # checks kept across processes, under what identifies the step: the
         # device and its memory too (a step out of memory under one limit
-        # need not be under another), and the versions that compile it
+        # need not be under another), the versions that compile it and XLA's
+        # flags (`kvram plan`'s checks compile without autotuning)
         self.store = store
         self.identity = (*identity, self.device, memory.limit_bytes(self.device), tf.__version__,
-                         keras.__version__, __version__)
+                         keras.__version__, __version__, os.environ.get("XLA_FLAGS", ""))
         self.checks = {}
         self.name = "xla" if jit else "graph"
         # {rows: the least-memory runs a "fit" row's checked search found}

@@ -94,6 +94,16 @@ class Configuration:
     executor_peak_bytes: int | None = None
     # Why the row was not checked (its prediction alone says it does not fit), or None.
     not_checked: str | None = None
+    # The recomputed runs of a row read back from JSON (`Estimate.from_json`), which has no plan.
+    runs_read: tuple = dataclasses.field(default=(), repr=False)
+
+    @property
+    def runs(self) -> tuple:
+        """The recomputed runs ((first, last) segment indices): its plan's, or those read back."""
+        return tuple(self.plan.runs) if self.plan is not None else self.runs_read
+
+
+_NOT_IN_JSON = {"plan", "runs_read"}  # a row's runs are written apart, as "runs"
 
 
 @dataclasses.dataclass
@@ -118,9 +128,8 @@ class Estimate:
         # Fields read one by one: dataclasses.asdict would deep-copy each row's plan (its
         # model, profile and checks) only to drop it: 10.9 s for MobileNetV2 on 2 cores.
         rows = [
-            {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "plan"}
-            | {"runs": [list(r) for r in c.plan.runs] if c.plan else [],
-               "recommended": c is self.recommended}
+            {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in _NOT_IN_JSON}
+            | {"runs": [list(r) for r in c.runs], "recommended": c is self.recommended}
             for c in self.configurations
         ]
         # Runs are segment indices: the last layer of each segment, per
@@ -131,6 +140,21 @@ class Estimate:
                 "batch_size": self.batch_size, "check_at": self.check_at, "configurations": rows,
                 "segments": segments, "measured": self.measured, "log": list(self.log),
                 "not_estimated": list(self.not_estimated)}
+
+    @classmethod
+    def from_json(cls, report: dict) -> "Estimate":
+        """An estimate from `to_json`'s report: every row as it was, its runs
+        kept but no plan (enough for `measure` and the printed table)."""
+        names = {f.name for f in dataclasses.fields(Configuration)} - _NOT_IN_JSON
+        rows = [Configuration(**{n: row[n] for n in names},
+                              runs_read=tuple(tuple(r) for r in row["runs"]))
+                for row in report["configurations"]]
+        recommended = next((c for c, row in zip(rows, report["configurations"]) if row["recommended"]), None)
+        return cls(memory_bytes=report["memory_bytes"], margin=report["margin"],
+                   batch_size=report["batch_size"], configurations=rows, recommended=recommended,
+                   measured=report.get("measured"), check_at=report["check_at"],
+                   log=[tuple(entry) for entry in report.get("log", [])],
+                   not_estimated=list(report.get("not_estimated", [])))
 
     def __str__(self) -> str:
         rows = [
@@ -464,7 +488,7 @@ class _Log:
 def _check(c, checker, limit):
     """Replaces c's peak by the checked one of its runs."""
     model, chain, profile, resident, rows = c._planning
-    runs = c.plan.runs if c.plan is not None else ()
+    runs = c.runs
     peak = checker.at(rows)(runs)
     c.predicted_peak_bytes = resident + peak
     c.predicted_by = "oom" if isinstance(peak, checking._OutOfMemory) else checker.name

@@ -54,9 +54,8 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
             )
             loss_name = loss or "sparse_categorical_crossentropy"
             if kind == "kvram":
-                chosen = configuration.plan
                 chain = segments(model)
-                groups, flags = _groups(chosen.runs if chosen is not None else (), len(chain))
+                groups, flags = _groups(configuration.runs, len(chain))
                 trained = rebuild(model, groups, flags)
                 trained.compile(optimizer=_fresh(optimizer), loss=loss_name)
                 trained.micro_batch_size = configuration.micro_batch_size
