@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+import kvram
 from kvram import _plan_process, cli, remat
 from tests.helpers import in_own_process, residual_model
 
@@ -739,3 +740,14 @@ def test_cli_plan_in_children_checks_untuned_and_measures_as_given(tmp_path, mon
     report = json.loads(out.read_text())
     assert report["measured"]["samples_per_second"] > 0 and report["measured"]["plain"]["peak_bytes"] > 0
     assert sum(c["recommended"] for c in report["configurations"]) == 1
+
+
+@pytest.mark.parametrize("device, copies", [("CPU:0", 1), ("GPU:0", 3), ("GPU:1", 3)])
+def test_plans_count_the_batches_kvram_model_prefetches_to_a_gpu(device, copies):
+    import inspect
+
+    from kvram.remat import _plan
+
+    assert _plan.batch_copies(device) == copies
+    default = inspect.signature(kvram.Model.__init__).parameters["prefetch_to_gpu"].default
+    assert copies == 1 or copies == 1 + default

@@ -373,13 +373,14 @@ def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows,
     weights = _nbytes(model.variables)
     state = _plan._optimizer_bytes(model, optimizer)
     sample = int(np.prod(shape)) * 4 + 8  # float32 input and an int64 label per row
+    batches = _plan.batch_copies(memory._device_name(None))  # the step's, and those prefetched
     configurations = []
     for micro in [None] + list(micro_batch_sizes):
         rows = micro or batch_size
         profile = _scaled(*profiles, low_rows, high_rows, rows)
         # Micro-batches accumulate gradients in float32 beside the slice's own.
         accumulators = _nbytes(model.trainable_variables) if micro else 0
-        resident = weights + state + sample * batch_size + accumulators
+        resident = weights + state + sample * batch_size * batches + accumulators
         base = _plan._plan_for(model, chain, profile, resident, None, rows)
         # A "fit" row wherever the plain step is predicted over the
         # limit, also where the least-memory one is: the checks search

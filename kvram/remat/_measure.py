@@ -47,11 +47,14 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
             shape = tuple(model.inputs[0].shape[1:])
             classes = int(model.outputs[0].shape[-1] or 1)
             rng = np.random.default_rng(0)
-            # One batch on the device, repeated: the data's own size stays one batch.
-            batch = (
-                tf.constant(rng.random((batch_size, *shape)).astype("float32")),
-                tf.constant(rng.integers(0, classes, batch_size)),
-            )
+            # One batch in host memory, repeated, as a user's data is fed: copied to
+            # the device by each step (kvram.Model: prefetched). Made on the GPU, its
+            # source was one more batch on the device, which training does not hold.
+            with tf.device("CPU:0"):
+                batch = (
+                    tf.constant(rng.random((batch_size, *shape)).astype("float32")),
+                    tf.constant(rng.integers(0, classes, batch_size)),
+                )
             loss_name = loss or "sparse_categorical_crossentropy"
             if kind == "kvram":
                 chain = segments(model)

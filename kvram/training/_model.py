@@ -19,6 +19,10 @@ from kvram.training import _batch_statistics, _execution, _step, _train_function
 from kvram.training._skip_watch import SkipWatch
 
 
+# Batches `fit()` copies ahead to the GPU by default (`Model`'s prefetch_to_gpu):
+# they stay on the GPU beside the step's own, and kvram's memory plans count them.
+PREFETCH_TO_GPU = 2
+
 _KVRAM_ARGS = (
     "accumulation_steps",
     "micro_batch_size",
@@ -133,7 +137,7 @@ class Model(keras.Model):
         clip_global_norm: float | None = None,
         skip_nonfinite: bool = True,
         max_consecutive_skips: int | None = 20,
-        prefetch_to_gpu: int | None = 2,
+        prefetch_to_gpu: int | None = PREFETCH_TO_GPU,
         **kwargs,
     ):
         self.accumulation_steps = _checks.positive_int("accumulation_steps", accumulation_steps)
