@@ -751,3 +751,26 @@ def test_plans_count_the_batches_kvram_model_prefetches_to_a_gpu(device, copies)
     assert _plan.batch_copies(device) == copies
     default = inspect.signature(kvram.Model.__init__).parameters["prefetch_to_gpu"].default
     assert copies == 1 or copies == 1 + default
+
+
+def test_plan_shows_its_stages_on_stderr_unless_verbose_is_0(capsys):
+    x = np.random.default_rng(0).random((8, 32, 32, 3)).astype("float32")
+    batch = (x, np.arange(8) % 10)
+    model = small_model()
+    found = remat.plan(model, batch, loss="sparse_categorical_crossentropy", jit_compile=False)
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and len(lines) >= 4, captured.err
+    assert "segments; measuring its training step cut by cut at 8 rows on CPU:0" in lines[0], lines
+    assert "measured cut by cut; checking choices as training will run them (on the graph executor)" in lines[1]
+    checks = [line for line in lines if "checked (graph) with " in line]
+    assert checks and all(line.startswith("[") and " s] " in line for line in lines), lines
+    assert lines[-1].endswith(f"done: {len(found.runs)} recomputed run(s), predicted peak "
+                              f"{found.predicted_peak_bytes / 2**20:,.1f} MiB "
+                              f"(plain {found.plain_peak_bytes / 2**20:,.1f} MiB)"), lines
+    found.with_budget((found.plain_peak_bytes + found.minimum_peak_bytes) // 2)
+    assert all("checked (graph) with " in line for line in capsys.readouterr().err.splitlines())
+    remat.plan(small_model(), batch, loss="sparse_categorical_crossentropy", jit_compile=False, verbose=0)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match=r"verbose must be 0 or 1. Received: verbose=2"):
+        remat.plan(model, batch, verbose=2)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
+import time
 
 import keras
 import tensorflow as tf
@@ -85,12 +87,26 @@ def _uses_xla(model, jit_compile, device) -> bool:
     return jit_compile
 
 
-def _step_check(model, chain, x, y, loss_fn, device, jit):
+class StageLog:
+    """Stages of long planning work, each with the seconds since the start:
+    kept in `lines`, and printed to stderr as they happen when `verbose`."""
+
+    def __init__(self, verbose):
+        self.start, self.verbose, self.lines = time.perf_counter(), verbose, []
+
+    def __call__(self, message):
+        self.lines.append((round(time.perf_counter() - self.start, 1), message))
+        if self.verbose:
+            print(f"[{self.lines[-1][0]:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _step_check(model, chain, x, y, loss_fn, device, jit, log=None):
     """A function of runs returning the measured peak (bytes beyond the step's
     start) of the training step of `model` with those runs recomputed, as it
     will train: XLA-compiled (`jit`; one run after the compiling one: XLA
     fixes its buffers at compile time) or on the graph executor (the highest
-    of three runs: its op order varies). Results are kept by runs."""
+    of three runs: its op order varies). Results are kept by runs; `log`, if
+    given, is called with a line for each new check."""
     done, settled_done, models = {}, {}, {}
 
     def trained(runs):
@@ -102,6 +118,11 @@ def _step_check(model, chain, x, y, loss_fn, device, jit):
         runs = tuple(runs)
         if runs not in done:
             done[runs] = _step_peak(trained(runs), x, y, loss_fn, device, jit)
+            if log is not None:
+                peak = done[runs]
+                log(f"checked ({'xla' if jit else 'graph'}) with {len(runs)} recomputed run(s): "
+                    + (f"out of memory (over {peak / 2**20:,.1f} MiB)" if isinstance(peak, _OutOfMemory)
+                       else f"step peak {peak / 2**20:,.1f} MiB"))
         return done[runs]
 
     def settled(runs):

@@ -37,8 +37,6 @@ Where slices are small enough to leave a GPU idle a slice costs more: give
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 
 import keras
 import numpy as np
@@ -49,6 +47,7 @@ from kvram.remat import _check as checking
 from kvram.remat import _plan
 from kvram.remat import _profile as profiling
 from kvram._plan_process import CheckStore
+from kvram.remat._check import StageLog as _Log
 from kvram.remat._checker import Checker, _batch, _size
 from kvram.remat._segments import _functional, segments
 
@@ -472,18 +471,6 @@ def _checks_exact(check_at, memory_bytes) -> bool:
     # MiB): a device limited to --gpu-memory 8GB holds 7,999,586,304 bytes, and was checked at the
     # probes (three compiled steps each) instead of one step at each configuration's rows.
     return held is not None and held >= memory_bytes // 2**20 * 2**20
-
-
-class _Log:
-    """Stages of a long estimate, each with the seconds since the start."""
-
-    def __init__(self, verbose):
-        self.start, self.verbose, self.lines = time.perf_counter(), verbose, []
-
-    def __call__(self, message):
-        self.lines.append((round(time.perf_counter() - self.start, 1), message))
-        if self.verbose:
-            print(f"[{self.lines[-1][0]:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def _check(c, checker, limit):
