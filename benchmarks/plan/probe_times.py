@@ -1,0 +1,82 @@
+"""Where the time of `kvram plan`'s cut-by-cut measurement goes: for each probe
+batch, building the segments' models, tracing the probed step, its first run
+(the runtime's graph optimization and kernel selection) and the probed runs
+after it, as `kvram.remat._profile._profile_steps` does them.
+
+    python benchmarks/plan/probe_times.py --model ConvNeXtSmall --rows 16 32 --out probe_times.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from kvram import memory  # noqa: E402
+from kvram.remat import _check, _profile, _segments  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="ConvNeXtSmall", help="a keras.applications name")
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--policy", default="mixed_bfloat16")
+    parser.add_argument("--out", default="probe_times.json")
+    args = parser.parse_args(argv)
+    keras.config.set_dtype_policy(args.policy)
+    device = memory._device_name(None)
+    started = time.perf_counter()
+    model = getattr(keras.applications, args.model)(
+        weights=None, input_shape=(args.size, args.size, 3), classes=args.classes)
+    model = _segments._functional(model)
+    chain = _segments._chain(model)
+    loss_fn = _check._loss_function(model, "sparse_categorical_crossentropy")
+    record = {"model": args.model, "device": device, "segments": len(chain),
+              "build_seconds": time.perf_counter() - started, "probes": []}
+    rng = np.random.default_rng(0)
+    for rows in args.rows:
+        x = tf.constant(rng.random((rows, args.size, args.size, 3)).astype("float32"))
+        y = tf.constant(rng.integers(0, args.classes, rows))
+        times = {"rows": rows}
+        with memory.state_kept(model), _profile.native_grouped_convolutions(device):
+            t = time.perf_counter()
+            parts = [(s, _segments._part([s], f"{model.name}_segment{s.index}")) for s in chain]
+            times["parts_seconds"] = time.perf_counter() - t
+            step, _ = _profile._probe_step(model, parts, x, y, loss_fn, model.trainable_variables, device)
+            t = time.perf_counter()
+            step.get_concrete_function()
+            times["trace_seconds"] = time.perf_counter() - t
+            t = time.perf_counter()
+            tf.nest.map_structure(lambda v: v.numpy(), step())
+            times["first_run_seconds"] = time.perf_counter() - t
+            runs = []
+            for _ in range(_profile.peak_steps()):
+                t = time.perf_counter()
+                tf.nest.map_structure(lambda v: v.numpy(), step())
+                runs.append(time.perf_counter() - t)
+            times["later_runs_seconds"] = runs
+        record["probes"].append(times)
+        print(json.dumps(times), flush=True)
+    record.update(total_seconds=time.perf_counter() - started,
+                  command=" ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+                  python=platform.python_version(), tensorflow=tf.__version__, keras=keras.__version__,
+                  date=time.strftime("%Y-%m-%d"))
+    with open(args.out, "w") as handle:
+        json.dump(record, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
