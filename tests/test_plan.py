@@ -737,6 +737,9 @@ def test_cli_plan_in_children_checks_untuned_and_measures_as_given(tmp_path, mon
     assert flags[processes[1]] == {"--xla_gpu_enable_cublaslt=true"}, builds
     assert printed.count("<- recommended") == 1, printed
     assert printed.index("<- recommended") < printed.index("measured, 2 steps on CPU:0"), printed
+    # the second process says what it trains while it does
+    assert "s] --measure: training the recommendation (float32, micro-batch -, " in err, err[-3000:]
+    assert "then plain Keras, for 2 steps after one that compiles" in err, err[-3000:]
     report = json.loads(out.read_text())
     assert report["measured"]["samples_per_second"] > 0 and report["measured"]["plain"]["peak_bytes"] > 0
     assert sum(c["recommended"] for c in report["configurations"]) == 1

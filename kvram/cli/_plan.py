@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from kvram import _plan_process, remat
 from kvram._plan_process import CheckStore
+from kvram.remat._check import StageLog
 
 
 def _model_builder(spec: str, input_shape, classes: int):
@@ -125,6 +126,11 @@ def _measure(args, build, found) -> None:
     # process after it (benchmarks/results/plan_minute_h200/README.md).
     plain = found.plain_configuration()
     skipped = plain.not_checked if plain is not None else None
+    chosen = found.recommended
+    StageLog(True)(f"--measure: training the recommendation ({chosen.precision}, micro-batch "
+                   f"{chosen.micro_batch_size or '-'}, {len(chosen.runs)} recomputed run(s))"
+                   + (", then plain Keras," if skipped is None else "")
+                   + f" for {args.steps} steps after one that compiles")
     found.measured = remat.measure(
         build, found.recommended, args.batch_size, optimizer=args.optimizer, steps=args.steps,
         plain=skipped is None,
