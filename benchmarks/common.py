@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -135,6 +136,10 @@ def run_children(script: str, names, args, describe) -> dict:
             results[name] = {"error": (proc.stderr or proc.stdout)[-3000:]}
         else:
             results[name] = json.loads(line[-1][len("RESULT "):])
+        # kvram's stage lines ("[   12.3 s] ..." on stderr: remat.plan's, estimate's), kept
+        stages = [l for l in proc.stderr.splitlines() if re.match(r"\[\s*[0-9.]+ s\] ", l)]
+        if stages:
+            results[name]["stages"] = stages
         results[name]["wall_s"] = time.perf_counter() - started
         r = results[name]
         text = f"FAILED: {r['error'][-400:]}" if "error" in r else describe(r)
