@@ -500,6 +500,13 @@ def test_cli_plan_child_ends_before_the_interpreter_exit_that_aborts(tmp_path, m
     assert json.loads((tmp_path / "checks.json").read_text())["finished"]["code"] == 0
 
 
+def _finish_as_the_child(command, code=0):
+    """What `kvram plan`'s estimate child does once done: says so in the checks
+    file its command names, under its run (`--checks-file`, `--plan-child`)."""
+    _plan_process.CheckStore(command[command.index("--checks-file") + 1]).finish(
+        command[command.index("--plan-child") + 1], code)
+
+
 def test_cli_plan_child_killed_after_it_finished_is_not_started_again(tmp_path, monkeypatch, capsys):
     import subprocess
 
@@ -507,8 +514,7 @@ def test_cli_plan_child_killed_after_it_finished_is_not_started_again(tmp_path, 
 
     def finished_then_killed(command, **kwargs):
         calls.append(command)
-        path, run = command[command.index("--checks-file") + 1], command[command.index("--plan-child") + 1]
-        _plan_process.CheckStore(path).finish(run, 0)
+        _finish_as_the_child(command)
         return -6
 
     monkeypatch.setattr(subprocess, "call", finished_then_killed)
@@ -680,8 +686,7 @@ def test_cli_plan_measures_in_a_second_child_compiled_as_training_will_be(tmp_pa
             estimate_files.append(path)
             with open(path, "w") as f:
                 json.dump(_report(), f)
-            _plan_process.CheckStore(command[command.index("--checks-file") + 1]).finish(
-                command[command.index("--plan-child") + 1], 0)
+            _finish_as_the_child(command)
         return 0
 
     monkeypatch.setattr(subprocess, "call", child)
@@ -704,8 +709,7 @@ def test_cli_plan_without_measure_starts_one_child(tmp_path, monkeypatch):
 
     def child(command, env=None):
         calls.append(command)
-        _plan_process.CheckStore(command[command.index("--checks-file") + 1]).finish(
-            command[command.index("--plan-child") + 1], 0)
+        _finish_as_the_child(command)
         return 0
 
     monkeypatch.setattr(subprocess, "call", child)
