@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 
 from kvram import _quiet
@@ -200,13 +201,26 @@ def _kept_checks(path: str) -> CheckStore:
 UNTUNED = "--xla_gpu_autotune_level=0"
 
 
+# TensorFlow's executor, on which the cut-by-cut measurement runs, likewise times
+# every cuDNN convolution algorithm for each shape it has not seen: most of the
+# first run of each probed step (ConvNeXtSmall: 32.7 s at 16 rows, 17.2 s at 32,
+# against 0.2-0.3 s for each run after it: plan_minute_h200/eaf1865_probe_times/).
+UNTUNED_CUDNN = "TF_CUDNN_USE_AUTOTUNE"
+
+# The command's start (seconds since the epoch) for its children's stage lines
+# (`kvram.remat._check.StageLog`): their times are then the command's.
+STARTED = "KVRAM_PLAN_STARTED"
+
+
 def checking_environment(environ=None) -> dict:
     """The estimate's child's environment: `environ` with XLA's autotuning off
-    (`UNTUNED` added to XLA_FLAGS), unless XLA_FLAGS sets a level already."""
+    (`UNTUNED` added to XLA_FLAGS, unless XLA_FLAGS sets a level already) and
+    TensorFlow's cuDNN autotuning off (`UNTUNED_CUDNN`=0, unless it is set)."""
     env = dict(os.environ if environ is None else environ)
     flags = env.get("XLA_FLAGS", "")
     if "xla_gpu_autotune_level" not in flags:
         env["XLA_FLAGS"] = f"{flags} {UNTUNED}".strip()
+    env.setdefault(UNTUNED_CUDNN, "0")
     return env
 
 
@@ -214,10 +228,12 @@ def supervise(argv: list[str], checks_file: str | None) -> int:
     """Runs `kvram plan` with these arguments in a child process that keeps
     its checks in a file, and starts it again from them when a signal kills
     it; the checks made before are not made again (one that ran out of memory
-    is kept as such). The child compiles its checks without XLA's autotuning
+    is kept as such). The child measures and compiles without autotuning
     (`checking_environment`); with `--measure`, the recommendation is then
-    trained in a second child, whose steps are compiled as the user's training
-    will be (`XLA_FLAGS` as given). The exit code of the last child."""
+    trained in a second child, whose steps are compiled and run as the user's
+    training will be (the environment as given). Both children's stage lines
+    count from this call (`STARTED`). The exit code of the last child."""
+    started = {STARTED: repr(time.time())}  # both children's stage lines count from here
     own = checks_file is None
     path = checks_file or os.path.join(tempfile.mkdtemp(prefix="kvram-plan-"), "checks.json")
     run = uuid.uuid4().hex
@@ -228,18 +244,18 @@ def supervise(argv: list[str], checks_file: str | None) -> int:
         estimate_file = os.path.join(tempfile.mkdtemp(prefix="kvram-plan-"), "estimate.json")
         command += ["--estimate-file", estimate_file]
     try:
-        return _estimate_then_measure(argv, command, path, run, own, estimate_file)
+        return _estimate_then_measure(argv, command, path, run, own, estimate_file, started)
     finally:
         if estimate_file is not None:
             shutil.rmtree(os.path.dirname(estimate_file), ignore_errors=True)
 
 
-def _estimate_then_measure(argv, command, path, run, own, estimate_file) -> int:
-    code = _estimate(command, path, run, own)
+def _estimate_then_measure(argv, command, path, run, own, estimate_file, started) -> int:
+    code = _estimate(command, path, run, own, checking_environment() | started)
     if code != 0 or estimate_file is None or not os.path.exists(estimate_file):
         return code  # failed, or nothing recommended to measure
     measuring = [sys.executable, "-m", "kvram", *argv, "--isolate", "never", "--measure-from", estimate_file]
-    code = subprocess.call(measuring)
+    code = subprocess.call(measuring, env=dict(os.environ) | started)
     if code < 0:
         print(f"kvram plan: the process training the recommendation for --measure {describe_exit(code)}; "
               "the estimate above stands", file=sys.stderr, flush=True)
@@ -247,8 +263,7 @@ def _estimate_then_measure(argv, command, path, run, own, estimate_file) -> int:
     return code
 
 
-def _estimate(command, path, run, own) -> int:
-    env = checking_environment()
+def _estimate(command, path, run, own, env) -> int:
     for restart in range(RESTARTS + 1):
         kept = _kept_checks(path)
         before, progress = len(kept.checks), kept.progress()

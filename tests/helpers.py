@@ -343,10 +343,11 @@ def aborting_model():
 
 def flags_recording_model():
     """`residual_model()`, for `kvram plan --model tests.helpers:flags_recording_model`
-    in child processes: each build appends its process id and XLA_FLAGS, as a
-    JSON line, to the file `KVRAM_TEST_FLAGS_LOG` names."""
+    in child processes: each build appends its process id, XLA_FLAGS and
+    TF_CUDNN_USE_AUTOTUNE, as a JSON line, to the file `KVRAM_TEST_FLAGS_LOG` names."""
     import json
 
     with open(os.environ["KVRAM_TEST_FLAGS_LOG"], "a") as log:
-        log.write(json.dumps([os.getpid(), os.environ.get("XLA_FLAGS")]) + "\n")
+        log.write(json.dumps([os.getpid(), os.environ.get("XLA_FLAGS"),
+                              os.environ.get("TF_CUDNN_USE_AUTOTUNE")]) + "\n")
     return residual_model()

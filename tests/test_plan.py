@@ -645,8 +645,32 @@ def test_least_out_of_memory_says_nothing_fits(monkeypatch):
 def test_plan_checks_compile_without_autotuning_unless_xla_flags_set_a_level(given, expected):
     environ = {"PATH": "/bin"} | ({"XLA_FLAGS": given} if given is not None else {})
     env = _plan_process.checking_environment(environ)
-    assert env == environ | {"XLA_FLAGS": expected}
+    assert env == environ | {"XLA_FLAGS": expected, "TF_CUDNN_USE_AUTOTUNE": "0"}
     assert environ.get("XLA_FLAGS") == given  # the caller's mapping is left as it was
+
+
+@pytest.mark.parametrize("given", [None, "0", "1"])
+def test_plan_measures_without_cudnn_autotuning_unless_it_is_set(given):
+    environ = {"PATH": "/bin"} | ({"TF_CUDNN_USE_AUTOTUNE": given} if given is not None else {})
+    env = _plan_process.checking_environment(environ)
+    assert env["TF_CUDNN_USE_AUTOTUNE"] == (given or "0")
+    assert environ.get("TF_CUDNN_USE_AUTOTUNE") == given
+
+
+def test_stage_lines_count_from_the_commands_start_in_its_children(monkeypatch, capsys):
+    import time
+
+    from kvram.remat._check import StageLog
+
+    monkeypatch.setenv(_plan_process.STARTED, repr(time.time() - 100.0))
+    log = StageLog(True)
+    log("a stage")
+    assert 100.0 <= log.lines[0][0] < 160.0, log.lines
+    assert capsys.readouterr().err.startswith(f"[{log.lines[0][0]:7.1f} s] a stage")
+    monkeypatch.delenv(_plan_process.STARTED)
+    log = StageLog(False)
+    log("another")
+    assert 0.0 <= log.lines[0][0] < 60.0 and capsys.readouterr().err == "", log.lines
 
 
 def _report(recommended_runs=((2, 3),)):
@@ -695,9 +719,13 @@ def test_cli_plan_measures_in_a_second_child_compiled_as_training_will_be(tmp_pa
     assert code == 0 and len(calls) == 2, calls
     (estimating, env), (measuring, measure_env) = calls
     assert env["XLA_FLAGS"] == "--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0"
+    assert env["TF_CUDNN_USE_AUTOTUNE"] == "0"
     assert "--measure-from" not in estimating
-    # the second child: the user's environment (env=None inherits it), the estimate's file
-    assert measure_env is None and "--plan-child" not in measuring
+    # the second child: the user's environment and the command's start (as the
+    # first child's), the estimate's file
+    started = env.pop(_plan_process.STARTED)
+    assert measure_env == os.environ | {_plan_process.STARTED: started} and "--plan-child" not in measuring
+    assert _plan_process.STARTED not in os.environ  # this process's own is left as it was
     assert measuring[-4:] == ["--isolate", "never", "--measure-from", estimate_files[0]]  # the last wins
     assert not os.path.exists(os.path.dirname(estimate_files[0]))  # removed once measured
 
@@ -734,11 +762,13 @@ def test_cli_plan_in_children_checks_untuned_and_measures_as_given(tmp_path, mon
     printed, err = capfd.readouterr()
     assert code == 0, err[-3000:]
     builds = [json.loads(line) for line in log.read_text().splitlines()]
-    processes = list(dict.fromkeys(pid for pid, _ in builds))
+    processes = list(dict.fromkeys(pid for pid, *_ in builds))
     assert len(processes) == 2, builds
-    flags = {pid: {f for p, f in builds if p == pid} for pid in processes}
-    assert flags[processes[0]] == {"--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0"}, builds
-    assert flags[processes[1]] == {"--xla_gpu_enable_cublaslt=true"}, builds
+    flags = {pid: {tuple(f) for p, *f in builds if p == pid} for pid in processes}
+    assert flags[processes[0]] == {("--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0", "0")}, builds
+    assert flags[processes[1]] == {("--xla_gpu_enable_cublaslt=true", None)}, builds
+    # the estimate's process says when TensorFlow was imported, in the command's time
+    assert "s] TensorFlow " in err and " imported" in err, err[-3000:]
     assert printed.count("<- recommended") == 1, printed
     assert printed.index("<- recommended") < printed.index("measured, 2 steps on CPU:0"), printed
     # the second process says what it trains while it does

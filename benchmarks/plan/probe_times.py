@@ -1,19 +1,25 @@
 """Where the time of `kvram plan`'s cut-by-cut measurement goes: for each probe
 batch, building the segments' models, tracing the probed step, its first run
 (the runtime's graph optimization and kernel selection) and the probed runs
-after it, as `kvram.remat._profile._profile_steps` does them.
+after it, as `kvram.remat._profile._profile_steps` does them; and what the
+probed runs measured (the highest stretch's peak, the sum of what segments
+keep), to compare settings: TF_CUDNN_USE_AUTOTUNE=0 in the environment, or
+`--grappler off` (TensorFlow's graph optimizers off).
 
     python benchmarks/plan/probe_times.py --model ConvNeXtSmall --rows 16 32 --out probe_times.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import sys
 import time
+
+STARTED = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -34,8 +40,13 @@ def main(argv=None):
     parser.add_argument("--classes", type=int, default=1000)
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--policy", default="mixed_bfloat16")
+    parser.add_argument("--grappler", choices=["on", "off"], default="on",
+                        help="off: tf.config.optimizer's disable_meta_optimizer")
     parser.add_argument("--out", default="probe_times.json")
     args = parser.parse_args(argv)
+    imported = time.perf_counter() - STARTED
+    if args.grappler == "off":
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     keras.config.set_dtype_policy(args.policy)
     device = memory._device_name(None)
     started = time.perf_counter()
@@ -45,7 +56,9 @@ def main(argv=None):
     chain = _segments._chain(model)
     loss_fn = _check._loss_function(model, "sparse_categorical_crossentropy")
     record = {"model": args.model, "device": device, "segments": len(chain),
-              "build_seconds": time.perf_counter() - started, "probes": []}
+              "import_seconds": imported, "build_seconds": time.perf_counter() - started,
+              "grappler": args.grappler, "TF_CUDNN_USE_AUTOTUNE": os.environ.get("TF_CUDNN_USE_AUTOTUNE"),
+              "probes": []}
     rng = np.random.default_rng(0)
     for rows in args.rows:
         x = tf.constant(rng.random((rows, args.size, args.size, 3)).astype("float32"))
@@ -55,19 +68,23 @@ def main(argv=None):
             t = time.perf_counter()
             parts = [(s, _segments._part([s], f"{model.name}_segment{s.index}")) for s in chain]
             times["parts_seconds"] = time.perf_counter() - t
-            step, _ = _profile._probe_step(model, parts, x, y, loss_fn, model.trainable_variables, device)
+            step, records = _profile._probe_step(model, parts, x, y, loss_fn, model.trainable_variables, device)
             t = time.perf_counter()
             step.get_concrete_function()
             times["trace_seconds"] = time.perf_counter() - t
             t = time.perf_counter()
             tf.nest.map_structure(lambda v: v.numpy(), step())
             times["first_run_seconds"] = time.perf_counter() - t
-            runs = []
+            runs, needs, kepts = [], [], []
             for _ in range(_profile.peak_steps()):
                 t = time.perf_counter()
-                tf.nest.map_structure(lambda v: v.numpy(), step())
+                kept, need, *_ = _profile._probe_run(step, records, device, len(chain))
                 runs.append(time.perf_counter() - t)
+                needs.append(max(need))
+                kepts.append(sum(kept))
             times["later_runs_seconds"] = runs
+            times["highest_need_bytes"] = needs
+            times["kept_bytes"] = kepts
         record["probes"].append(times)
         print(json.dumps(times), flush=True)
     record.update(total_seconds=time.perf_counter() - started,

@@ -70,6 +70,9 @@ def _plan(args) -> int:
             raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
     shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
     build = _model_builder(args.model, shape, args.classes)
+    if args.plan_child:  # what the estimate's process took to start, in the command's time
+        StageLog(True)(f"TensorFlow {tf.__version__} imported"
+                       + (f", GPU limited to {memory_bytes // 2**20:,} MiB" if args.limit_gpu else ""))
     if args.measure_from:
         return _end(args, _measure_from(args, build))
     try:

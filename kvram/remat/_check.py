@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import time
 
@@ -15,7 +16,7 @@ import tensorflow as tf
 from keras import tree
 
 from kvram import memory
-from kvram._plan_process import _OutOfMemory
+from kvram._plan_process import STARTED, _OutOfMemory
 from kvram.remat._profile import peak_steps
 from kvram.remat._segments import _groups, rebuild
 
@@ -89,13 +90,18 @@ def _uses_xla(model, jit_compile, device) -> bool:
 
 class StageLog:
     """Stages of long planning work, each with the seconds since the start:
-    kept in `lines`, and printed to stderr as they happen when `verbose`."""
+    kept in `lines`, and printed to stderr as they happen when `verbose`.
+    The start is the log's making, or in a child process of `kvram plan` the
+    command's (`KVRAM_PLAN_STARTED`, seconds since the epoch, set by its
+    waiting process: `kvram._plan_process`)."""
 
     def __init__(self, verbose):
-        self.start, self.verbose, self.lines = time.perf_counter(), verbose, []
+        self.verbose, self.lines = verbose, []
+        started = os.environ.get(STARTED)
+        self.start = time.time() if started is None else float(started)
 
     def __call__(self, message):
-        self.lines.append((round(time.perf_counter() - self.start, 1), message))
+        self.lines.append((round(time.time() - self.start, 1), message))
         if self.verbose:
             print(f"[{self.lines[-1][0]:7.1f} s] {message}", file=sys.stderr, flush=True)
 
