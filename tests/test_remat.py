@@ -816,3 +816,25 @@ def test_profile_runs_grouped_convolutions_as_tensorflow_ops_on_a_gpu_only():
     assert "StatefulPartitionedCall" in _op_types("CPU:0", grouped, x)
     assert "Conv2D" in _op_types("GPU:0", whole, x) and "Conv2D" in _op_types("CPU:0", whole, x)
     assert nn.conv is keras_conv  # put back
+
+
+@pytest.mark.parametrize("set_before", [None, True])
+def test_profile_runs_without_graph_optimizers_on_a_gpu_only(set_before):
+    from kvram.remat._profile import graph_optimizers_off
+
+    def off():
+        return tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
+
+    if set_before:
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    try:
+        before = off()
+        step = tf.function(lambda t: tf.reduce_sum(t * 2.0))
+        with graph_optimizers_off("GPU:0"):
+            assert off() is True
+            assert float(step(tf.ones((3,)))) == 6.0  # functions run under it
+        assert off() == before  # put back as it was
+        with graph_optimizers_off("CPU:0"):
+            assert off() == before  # the CPU's measurement is left as it is
+    finally:
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})

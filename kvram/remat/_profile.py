@@ -101,8 +101,30 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
 
 def _profile(model, chain, x, y, loss_fn, device):
     # the steps move BatchNormalization statistics and seeds
-    with memory.state_kept(model), native_grouped_convolutions(device):
+    with memory.state_kept(model), native_grouped_convolutions(device), graph_optimizers_off(device):
         return _profile_steps(model, chain, x, y, loss_fn, device)
+
+
+@contextlib.contextmanager
+def graph_optimizers_off(device):
+    """Within, on a GPU, functions run without TensorFlow's graph optimizers
+    (Grappler: `disable_meta_optimizer`), which optimize each probed step on
+    its first run. On an H200 with `TF_CUDNN_USE_AUTOTUNE=0` (as `kvram plan`
+    measures), the first runs of the probed steps took 14.0 and 11.4 s without
+    them against 21.6 and 14.5 s with them (ConvNeXtSmall, 16 and 32 rows), 6.4
+    and 2.1 s against 7.4 and 4.0 s (ResNet50, 32 and 64 rows), and measured
+    the same within 1% (the highest stretch's peak, and what segments keep:
+    benchmarks/results/plan_minute_h200/8707064_probe_times/). On the CPU,
+    where the measurement is quick, nothing is changed."""
+    if not device.startswith("GPU"):
+        yield
+        return
+    before = tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer", False)
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    try:
+        yield
+    finally:
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": before})
 
 
 @contextlib.contextmanager
