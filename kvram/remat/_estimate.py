@@ -534,13 +534,8 @@ def _policy(model) -> str:
 
 def _probe_profiles(model, chain, batches, loss):
     """The cut-by-cut profiles at the probe batches ({rows: (x, y)}), fewest rows first."""
-    return [_measure(model, chain, *batches[rows], loss) for rows in sorted(batches)]
-
-
-def _measure(model, chain, x, y, loss):
-    return profiling._profile(
-        model, chain, x, y, checking._loss_function(model, loss), memory._device_name(None)
-    )
+    return profiling._profiles(model, chain, [batches[rows] for rows in sorted(batches)],
+                               checking._loss_function(model, loss), memory._device_name(None))
 
 
 def _device_total() -> int:

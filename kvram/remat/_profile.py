@@ -47,7 +47,9 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
     """The training step of `parts` ((segment, its model) pairs) chained, with
     allocator probes at each cut (on each segment's main output).
 
-    Returns (a tf.function, the dict its probes write into). A probe is a
+    Returns (a tf.function of (x, y), or of x where `y` is None, the dict its
+    probes write into). It is traced once, for batches like `x` and `y` with
+    any number of rows: the probe batches share it. A probe is a
     `tf.py_function` ordered by control dependencies after the tensor it marks
     (forward: a segment's output; backward: the gradient reaching it); it
     records the allocator's current and peak bytes, then resets the peak, so
@@ -78,8 +80,7 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
 
         return identity(tensor)
 
-    @tf.function
-    def step():
+    def step(x, y=None):
         with tf.GradientTape() as tape:
             tensors = {id(t): v for t, v in zip(model_inputs, tree.flatten(x))}
             for index, (segment, part) in enumerate(parts):
@@ -96,13 +97,26 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
         # Returned, as a training step holds them until the optimizer applies them.
         return gradients, done
 
-    return step, records
+    def open_rows(t):
+        return tf.TensorSpec((None, *t.shape[1:]), t.dtype)
+
+    signature = [tree.map_structure(open_rows, x)]
+    if y is None:
+        return tf.function(lambda x: step(x), input_signature=signature), records
+    return tf.function(step, input_signature=signature + [tree.map_structure(open_rows, y)]), records
 
 
 def _profile(model, chain, x, y, loss_fn, device):
+    return _profiles(model, chain, [(x, y)], loss_fn, device)[0]
+
+
+def _profiles(model, chain, batches, loss_fn, device):
+    """A `_Profile` for each (x, y) of `batches`, measured by one probed step
+    traced once for them all (on an H200, each trace of it took 2.9-5.1 s:
+    benchmarks/results/plan_minute_h200/8707064_probe_times/)."""
     # the steps move BatchNormalization statistics and seeds
     with memory.state_kept(model), native_grouped_convolutions(device), graph_optimizers_off(device):
-        return _profile_steps(model, chain, x, y, loss_fn, device)
+        return _profile_steps(model, chain, batches, loss_fn, device)
 
 
 @contextlib.contextmanager
@@ -166,15 +180,21 @@ def native_grouped_convolutions(device):
         nn.conv = keras_conv
 
 
-def _profile_steps(model, chain, x, y, loss_fn, device):
+def _profile_steps(model, chain, batches, loss_fn, device):
     parts = [(s, _part([s], f"{model.name}_segment{s.index}")) for s in chain]
-    step, records = _probe_step(model, parts, x, y, loss_fn, model.trainable_variables, device)
-    step()  # the first run also allocates what the runtime keeps (kernel caches)
+    step, records = _probe_step(model, parts, *batches[0], loss_fn, model.trainable_variables, device)
+    return [_profile_at(model, chain, step, records, x, y, device) for x, y in batches]
+
+
+def _profile_at(model, chain, step, records, x, y, device):
+    """The `_Profile` of the probed `step` run on (x, y)."""
+    args = (x,) if y is None else (x, y)
+    step(*args)  # the first run also allocates what the runtime keeps (kernel caches)
     # The executor's order of independent ops, and so each stretch's peak, varies
     # from step to step: the peaks are the highest of several steps, as the
     # memory a training run needs is its highest step's.
     # What segments keep is steadier: its median is taken.
-    runs = [_probe_run(step, records, device, len(chain)) for _ in range(peak_steps())]
+    runs = [_probe_run(lambda: step(*args), records, device, len(chain)) for _ in range(peak_steps())]
     kept, need, recompute, transient, heads = (list(zip(*field)) for field in zip(*runs))
     kept = tuple(int(np.median(values)) for values in kept)
     need, transient = (tuple(max(values) for values in field) for field in (need, transient))
