@@ -202,9 +202,10 @@ UNTUNED = "--xla_gpu_autotune_level=0"
 
 
 # TensorFlow's executor, on which the cut-by-cut measurement runs, likewise times
-# every cuDNN convolution algorithm for each shape it has not seen: most of the
-# first run of each probed step (ConvNeXtSmall: 32.7 s at 16 rows, 17.2 s at 32,
-# against 0.2-0.3 s for each run after it: plan_minute_h200/eaf1865_probe_times/).
+# every cuDNN convolution algorithm for each shape it has not seen, in the first
+# run of each probed step: on an H200, ConvNeXtSmall's took 21.6 s (16 rows) and
+# 14.5 s (32) without it against 27.5 and 16.3 s with it, measuring the same
+# within 1% (benchmarks/results/plan_minute_h200/8707064_probe_times/).
 UNTUNED_CUDNN = "TF_CUDNN_USE_AUTOTUNE"
 
 # The command's start (seconds since the epoch) for its children's stage lines
