@@ -460,7 +460,7 @@ def test_a_check_that_processes_died_in_twice_is_out_of_memory(tmp_path, monkeyp
 
     ran = []
 
-    def step_check(*args):
+    def step_check(*args, **kwargs):
         def inner(runs):
             ran.append(runs)
             raise Died
@@ -811,3 +811,17 @@ def test_plan_shows_its_stages_on_stderr_unless_verbose_is_0(capsys):
     assert capsys.readouterr().err == ""
     with pytest.raises(ValueError, match=r"verbose must be 0 or 1. Received: verbose=2"):
         remat.plan(model, batch, verbose=2)
+
+
+def test_checks_of_one_recomputation_at_other_rows_share_its_trace(tmp_path):
+    from kvram.remat import _checker
+
+    model = small_model()
+    chain = remat.segments(model)
+    batches = {rows: _checker._batch(model, (32, 32, 3), rows) for rows in (4, 8)}
+    checker = _checker.Checker(model, chain, batches, None, False, True, lambda line: None,
+                               _plan_process.CheckStore(None), ("float32",))
+    peaks = [checker.at(rows)(()) for rows in (4, 8, 16)]
+    assert 0 < peaks[0] < peaks[1] < peaks[2], peaks  # each measured at its own rows
+    (trained, step), = checker.steps.values()
+    assert trained is model and step.experimental_get_tracing_count() == 1

@@ -17,7 +17,7 @@ from keras import tree
 
 from kvram import memory
 from kvram._plan_process import STARTED, _OutOfMemory
-from kvram.remat._profile import peak_steps
+from kvram.remat._profile import peak_steps, traced_for_any_rows
 from kvram.remat._segments import _groups, rebuild
 
 
@@ -106,24 +106,29 @@ class StageLog:
             print(f"[{self.lines[-1][0]:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
-def _step_check(model, chain, x, y, loss_fn, device, jit, log=None):
+def _step_check(model, chain, x, y, loss_fn, device, jit, log=None, steps=None):
     """A function of runs returning the measured peak (bytes beyond the step's
     start) of the training step of `model` with those runs recomputed, as it
     will train: XLA-compiled (`jit`; one run after the compiling one: XLA
     fixes its buffers at compile time) or on the graph executor (the highest
     of three runs: its op order varies). Results are kept by runs; `log`, if
-    given, is called with a line for each new check."""
-    done, settled_done, models = {}, {}, {}
+    given, is called with a line for each new check. `steps`, a dict, keeps
+    each recomputation's model and traced step ({runs: (model, step)}): checks
+    at other rows given the same dict reuse them, traced once for any rows."""
+    done, settled_done = {}, {}
+    steps = {} if steps is None else steps
 
     def trained(runs):
-        if runs not in models:
-            models[runs] = rebuild(model, *_groups(runs, len(chain))) if runs else model
-        return models[runs]
+        if runs not in steps:
+            rebuilt = rebuild(model, *_groups(runs, len(chain))) if runs else model
+            steps[runs] = (rebuilt, _training_step(rebuilt, x, y, loss_fn, jit))
+        return steps[runs][0]
 
     def check(runs):
         runs = tuple(runs)
         if runs not in done:
-            done[runs] = _step_peak(trained(runs), x, y, loss_fn, device, jit)
+            trained(runs)
+            done[runs] = _step_peak(*steps[runs], x, y, device, jit)
             if log is not None:
                 peak = done[runs]
                 log(f"checked ({'xla' if jit else 'graph'}) with {len(runs)} recomputed run(s): "
@@ -144,8 +149,9 @@ def _step_check(model, chain, x, y, loss_fn, device, jit, log=None):
             first = check(runs)
             settled_done[runs] = first
             if not (jit or peak_steps() > 1 or isinstance(first, _OutOfMemory)):
-                for _ in range(_TRACES - 1):
-                    again = _step_peak(trained(runs), x, y, loss_fn, device, jit)
+                for _ in range(_TRACES - 1):  # a new trace each
+                    rebuilt = trained(runs)
+                    again = _step_peak(rebuilt, _training_step(rebuilt, x, y, loss_fn, jit), x, y, device, jit)
                     if not isinstance(again, _OutOfMemory):
                         settled_done[runs] = min(settled_done[runs], again)
         return settled_done[runs]
@@ -160,10 +166,26 @@ def _step_check(model, chain, x, y, loss_fn, device, jit, log=None):
 _TRACES = 2
 
 
-def _step_peak(model, x, y, loss_fn, device, jit) -> int:
+def _training_step(model, x, y, loss_fn, jit):
+    """The training step `_step_peak` measures (its gradients, not applied), a
+    `tf.function` for batches like x and y with any number of rows."""
+    variables = model.trainable_variables
+
+    def step(x, y=None):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        # Returned, as a training step holds them until the optimizer applies them.
+        return tape.gradient(loss, variables)
+
+    return traced_for_any_rows(step, x, y, jit_compile=jit)
+
+
+def _step_peak(model, step, x, y, device, jit) -> int:
+    """The peak of `step` (`_training_step` of `model`) on (x, y), or an
+    `_OutOfMemory`."""
     try:
         with memory.state_kept(model):  # the steps move BatchNormalization statistics and seeds
-            return _step_peak_or_raise(model, x, y, loss_fn, device, jit)
+            return _step_peak_or_raise(model, step, x, y, device, jit)
     except tf.errors.ResourceExhaustedError:
         memory.collect_garbage()
         return _OutOfMemory(_free_bytes(device))
@@ -197,7 +219,8 @@ def new_garbage_only():
             gc.unfreeze()
 
 
-def _step_peak_or_raise(model, x, y, loss_fn, device, jit) -> int:
+def _step_peak_or_raise(model, step, x, y, device, jit) -> int:
+    """The peak of `step`, the training step of `model`, on (x, y)."""
     # Garbage first: tensors of earlier steps and traces that wait for the collector
     # stay allocated between the step's, and the allocator then counts some of the
     # step's buffers at the size of the larger free block it places them in. Measured on
@@ -206,22 +229,14 @@ def _step_peak_or_raise(model, x, y, loss_fn, device, jit) -> int:
     # 104.3-105.8 in 2 without a collection before each trace; 80.5-87.9 MiB in 10 of 10
     # with one (another plan of the same model; MobileNetV3Small: no difference).
     memory.collect_garbage()
-    variables = model.trainable_variables
-
-    @tf.function(jit_compile=jit)
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        # Returned, as a training step holds them until the optimizer applies them.
-        return tape.gradient(loss, variables)
-
-    gradients = step(x, y)  # traces (and compiles)
+    args = (x,) if y is None else (x, y)
+    gradients = step(*args)  # traces (and compiles) the first time, compiles at new rows under XLA
     del gradients
     memory.reset_peak(device)
     start = memory.current_bytes(device)
     for _ in range(1 if jit else peak_steps()):
         gradients = None  # the previous step's are not held during the next
-        gradients = step(x, y)
+        gradients = step(*args)
     peak = memory.peak_bytes(device) - start
     del gradients
     return peak

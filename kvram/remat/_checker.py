@@ -42,6 +42,8 @@ class Checker:
         self.identity = (*identity, self.device, memory.limit_bytes(self.device), tf.__version__,
                          keras.__version__, __version__, os.environ.get("XLA_FLAGS", ""))
         self.checks = {}
+        # each recomputation's model and traced step, shared by the checks at every rows
+        self.steps = {}
         self.name = "xla" if jit else "graph"
         # {rows: the least-memory runs a "fit" row's checked search found}
         self.least_runs = {}
@@ -51,7 +53,8 @@ class Checker:
         if rows not in self.checks:
             shape = tuple(self.model.inputs[0].shape[1:])
             x, y = self.batches.get(rows) or _batch(self.model, shape, rows)
-            inner = _step_check(self.model, self.chain, x, y, self.loss_fn, self.device, self.jit)
+            inner = _step_check(self.model, self.chain, x, y, self.loss_fn, self.device, self.jit,
+                                steps=self.steps)
             seen = set()
 
             def check(runs):

@@ -97,13 +97,21 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
         # Returned, as a training step holds them until the optimizer applies them.
         return gradients, done
 
+    return traced_for_any_rows(step, x, y), records
+
+
+def traced_for_any_rows(step, x, y, **options):
+    """`step(x, y)` (or `step(x)` where `y` is None) as a `tf.function` traced
+    once for batches like `x` and `y` with any number of rows (`options`:
+    tf.function's, e.g. jit_compile)."""
+
     def open_rows(t):
         return tf.TensorSpec((None, *t.shape[1:]), t.dtype)
 
     signature = [tree.map_structure(open_rows, x)]
     if y is None:
-        return tf.function(lambda x: step(x), input_signature=signature), records
-    return tf.function(step, input_signature=signature + [tree.map_structure(open_rows, y)]), records
+        return tf.function(lambda x: step(x), input_signature=signature, **options)
+    return tf.function(step, input_signature=signature + [tree.map_structure(open_rows, y)], **options)
 
 
 def _profile(model, chain, x, y, loss_fn, device):
