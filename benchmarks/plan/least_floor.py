@@ -25,25 +25,16 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from kvram import remat  # noqa: E402
-from kvram.remat._choice import _run_need, _saving  # noqa: E402
+from kvram.remat._choice import _stretches  # noqa: E402
 
 MiB = 2**20
 
 
 def stretches(profile, runs):
-    """[(name, MiB)] of every term of the predicted peak, in chain order."""
-    terms, saved, r, i = [], 0, 0, 0
-    while i < len(profile.need):
-        if r < len(runs) and runs[r][0] == i:
-            first, last = runs[r]
-            terms.append((f"recomputed run {first}-{last}", (_run_need(profile, first, last) - saved) / MiB))
-            saved += _saving(profile, first, last)
-            r, i = r + 1, last + 1
-        else:
-            terms.append((f"segment {i}", (profile.need[i] - saved) / MiB))
-            i += 1
-    terms.append(("loss and its gradient", (profile.head - saved) / MiB))
-    return terms
+    """[(name, MiB)] of every term of the predicted peak, in chain order
+    (`kvram.remat._choice._stretches`)."""
+    names = {"run": "recomputed run {}-{}", "segment": "segment {}", "head": "loss and its gradient"}
+    return [(names[what[0]].format(*what[1:]), held / MiB) for what, held in _stretches(profile, runs)]
 
 
 def main(argv=None):

@@ -42,23 +42,31 @@ def _run_need(profile, first, last) -> int:
 
 def _predict(profile, runs) -> int:
     """Predicted step peak (bytes beyond the step's start) when each run
-    (first, last) of segments is one `Checkpoint`. A segment's stretch of the
-    step holds what it held unmodified, less the savings of the runs that end
+    (first, last) of segments is one `Checkpoint`: the highest of `_stretches`."""
+    return max([0] + [held for _, held in _stretches(profile, runs)])
+
+
+def _stretches(profile, runs) -> list:
+    """[(what, bytes)] of each stretch of the predicted step, in chain order:
+    ("run", first, last) for a recomputed run, ("segment", i) for a segment
+    kept whole, ("head",) for the loss and its gradient. A segment's stretch
+    holds what it held unmodified, less the savings of the runs that end
     before it (a checkpointed run's own activations are all back while its
     backward pass runs)."""
-    peak, saved, r = 0, 0, 0
+    stretches, saved, r = [], 0, 0
     n = len(profile.need)
     i = 0
     while i < n:
         if r < len(runs) and runs[r][0] == i:
             first, last = runs[r]
-            peak = max(peak, _run_need(profile, first, last) - saved)
+            stretches.append((("run", first, last), _run_need(profile, first, last) - saved))
             saved += _saving(profile, first, last)
             r, i = r + 1, last + 1
         else:
-            peak = max(peak, profile.need[i] - saved)
+            stretches.append((("segment", i), profile.need[i] - saved))
             i += 1
-    return max(peak, profile.head - saved)
+    stretches.append((("head",), profile.head - saved))
+    return stretches
 
 
 def _choose(profile, budget):
