@@ -135,7 +135,7 @@ def _measure(args, build, found) -> None:
                    + (", then plain Keras," if skipped is None else "")
                    + f" for {args.steps} steps after one that compiles")
     found.measured = remat.measure(
-        build, found.recommended, args.batch_size, optimizer=args.optimizer, steps=args.steps,
+        build, chosen, args.batch_size, optimizer=args.optimizer, steps=args.steps,
         plain=skipped is None,
     )
     if skipped is not None:

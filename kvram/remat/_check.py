@@ -119,16 +119,16 @@ def _step_check(model, chain, x, y, loss_fn, device, jit, log=None, steps=None):
     steps = {} if steps is None else steps
 
     def trained(runs):
+        """(the model recomputing `runs`, its traced training step)"""
         if runs not in steps:
             rebuilt = rebuild(model, *_groups(runs, len(chain))) if runs else model
             steps[runs] = (rebuilt, _training_step(rebuilt, x, y, loss_fn, jit))
-        return steps[runs][0]
+        return steps[runs]
 
     def check(runs):
         runs = tuple(runs)
         if runs not in done:
-            trained(runs)
-            done[runs] = _step_peak(*steps[runs], x, y, device, jit)
+            done[runs] = _step_peak(*trained(runs), x, y, device, jit)
             if log is not None:
                 peak = done[runs]
                 log(f"checked ({'xla' if jit else 'graph'}) with {len(runs)} recomputed run(s): "
@@ -150,7 +150,7 @@ def _step_check(model, chain, x, y, loss_fn, device, jit, log=None, steps=None):
             settled_done[runs] = first
             if not (jit or peak_steps() > 1 or isinstance(first, _OutOfMemory)):
                 for _ in range(_TRACES - 1):  # a new trace each
-                    rebuilt = trained(runs)
+                    rebuilt, _ = trained(runs)
                     again = _step_peak(rebuilt, _training_step(rebuilt, x, y, loss_fn, jit), x, y, device, jit)
                     if not isinstance(again, _OutOfMemory):
                         settled_done[runs] = min(settled_done[runs], again)
@@ -229,14 +229,13 @@ def _step_peak_or_raise(model, step, x, y, device, jit) -> int:
     # 104.3-105.8 in 2 without a collection before each trace; 80.5-87.9 MiB in 10 of 10
     # with one (another plan of the same model; MobileNetV3Small: no difference).
     memory.collect_garbage()
-    args = (x,) if y is None else (x, y)
-    gradients = step(*args)  # traces (and compiles) the first time, compiles at new rows under XLA
+    gradients = step(x, y)  # traces (and compiles) the first time, compiles at new rows under XLA
     del gradients
     memory.reset_peak(device)
     start = memory.current_bytes(device)
     for _ in range(1 if jit else peak_steps()):
         gradients = None  # the previous step's are not held during the next
-        gradients = step(*args)
+        gradients = step(x, y)
     peak = memory.peak_bytes(device) - start
     del gradients
     return peak

@@ -47,7 +47,7 @@ from kvram.remat import _check as checking
 from kvram.remat import _plan
 from kvram.remat import _profile as profiling
 from kvram._plan_process import CheckStore
-from kvram.remat._check import StageLog as _Log
+from kvram.remat._check import StageLog
 from kvram.remat._checker import Checker, _batch, _size
 from kvram.remat._segments import _functional, segments
 
@@ -312,7 +312,7 @@ def estimate(
     if not 1 <= low_rows < high_rows:
         raise ValueError(f"probe_rows must be two increasing sizes >= 1. Received: {probe_rows!r}")
     exact = _checks_exact(check_at, memory_bytes)
-    log = _Log(verbose)
+    log = StageLog(verbose)
     store = CheckStore(checks_file, log)
     limit = int(memory_bytes * (1 - margin))
     previous = keras.config.dtype_policy().name

@@ -47,8 +47,7 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
     """The training step of `parts` ((segment, its model) pairs) chained, with
     allocator probes at each cut (on each segment's main output).
 
-    Returns (a tf.function of (x, y), or of x where `y` is None, the dict its
-    probes write into). It is traced once, for batches like `x` and `y` with
+    Returns (a tf.function of (x, y), the dict its probes write into). It is traced once, for batches like `x` and `y` with
     any number of rows: the probe batches share it. A probe is a
     `tf.py_function` ordered by control dependencies after the tensor it marks
     (forward: a segment's output; backward: the gradient reaching it); it
@@ -101,17 +100,15 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
 
 
 def traced_for_any_rows(step, x, y, **options):
-    """`step(x, y)` (or `step(x)` where `y` is None) as a `tf.function` traced
-    once for batches like `x` and `y` with any number of rows (`options`:
-    tf.function's, e.g. jit_compile)."""
+    """`step(x, y=None)` as a `tf.function` traced once for batches like `x`
+    and `y` with any number of rows (`options`: tf.function's, e.g.
+    jit_compile); where `y` is None, it is called with None."""
 
     def open_rows(t):
         return tf.TensorSpec((None, *t.shape[1:]), t.dtype)
 
-    signature = [tree.map_structure(open_rows, x)]
-    if y is None:
-        return tf.function(lambda x: step(x), input_signature=signature, **options)
-    return tf.function(step, input_signature=signature + [tree.map_structure(open_rows, y)], **options)
+    signature = [tree.map_structure(open_rows, t) for t in (x, y) if t is not None]
+    return tf.function(step, input_signature=signature, **options)
 
 
 def _profile(model, chain, x, y, loss_fn, device):
@@ -196,13 +193,12 @@ def _profile_steps(model, chain, batches, loss_fn, device):
 
 def _profile_at(model, chain, step, records, x, y, device):
     """The `_Profile` of the probed `step` run on (x, y)."""
-    args = (x,) if y is None else (x, y)
-    step(*args)  # the first run also allocates what the runtime keeps (kernel caches)
+    step(x, y)  # the first run also allocates what the runtime keeps (kernel caches)
     # The executor's order of independent ops, and so each stretch's peak, varies
     # from step to step: the peaks are the highest of several steps, as the
     # memory a training run needs is its highest step's.
     # What segments keep is steadier: its median is taken.
-    runs = [_probe_run(lambda: step(*args), records, device, len(chain)) for _ in range(peak_steps())]
+    runs = [_probe_run(lambda: step(x, y), records, device, len(chain)) for _ in range(peak_steps())]
     kept, need, recompute, transient, heads = (list(zip(*field)) for field in zip(*runs))
     kept = tuple(int(np.median(values)) for values in kept)
     need, transient = (tuple(max(values) for values in field) for field in (need, transient))
