@@ -166,6 +166,27 @@ def test_skip_nonfinite_false_lets_nan_through():
     assert not np.isfinite(values(model.trainable_weights)[0]).all()
 
 
+def _train_step_hlo(model, x, y):
+    model.train_on_batch(x, y)  # built, optimizer too
+    step = tf.function(model.train_step, jit_compile=True)
+    return step.experimental_get_compiler_ir((tf.constant(x), tf.constant(y)))(stage="hlo")
+
+
+def test_a_step_nothing_watches_for_skips_has_no_xla_conditional():
+    # An XLA conditional's predicate is copied to the host and waited for on
+    # a GPU, once a step; the batch's NaN check only feeds the skip diagnosis.
+    x, y = data(16)
+    guarded = mlp()
+    guarded.compile(optimizer="adam", loss="mse", jit_compile=True)
+    assert "conditional(" in _train_step_hlo(guarded, x, y)
+    unwatched = mlp(skip_nonfinite=False, max_consecutive_skips=None)
+    unwatched.compile(optimizer="adam", loss="mse", jit_compile=True)
+    assert "conditional(" not in _train_step_hlo(unwatched, x, y)
+    x[0, 0] = np.nan
+    logs = unwatched.train_on_batch(x, y, return_dict=True)
+    assert logs["skipped_steps"] == 1  # still counted
+
+
 def test_clip_global_norm_bounds_the_update():
     model = mlp(clip_global_norm=1e-3)
     model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")

@@ -268,7 +268,7 @@ class Model(keras.Model):
         x = prefetched
         callbacks = kwargs.get("callbacks")
         callbacks = list(callbacks or [])
-        if self.skip_nonfinite or self.max_consecutive_skips is not None:
+        if _step.watches_skips(self):
             callbacks.append(SkipWatch(self.max_consecutive_skips, self._step_state))
         kwargs["callbacks"] = callbacks
         controllers = [c for c in callbacks if hasattr(c, "_kvram_controls_batch")]
@@ -421,7 +421,7 @@ class Model(keras.Model):
                 gradients,
                 self.trainable_weights,
                 finite=finite,
-                bad_inputs=_step.bad_inputs(finite, (x, y, sample_weight)),
+                bad_inputs=_step.bad_inputs(finite, (x, y, sample_weight), self),
             )
         else:
             warnings.warn("The model does not have any trainable weights.")

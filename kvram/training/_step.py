@@ -44,14 +44,24 @@ def check_mean_reductions(loss) -> None:
             )
 
 
-def bad_inputs(finite, data) -> tf.Tensor:
+def watches_skips(model) -> bool:
+    """Whether anything reads the step's skip counters: the guard
+    (`skip_nonfinite`) or the callback that stops a run of skipped steps
+    (`max_consecutive_skips`)."""
+    return bool(model.skip_nonfinite) or model.max_consecutive_skips is not None
+
+
+def bad_inputs(finite, data, model=None) -> tf.Tensor:
     """A boolean scalar: the batch's floating-point tensors hold NaN/Inf.
 
     Checked only when `finite` (the step's gradients are all finite) is False,
-    so healthy steps pay nothing for it.
+    so healthy steps pay no read of the batch for it. It is a `tf.cond`, which
+    XLA's GPU runtime runs by copying the predicate to the host and waiting for
+    it: with a `model` whose skips nothing reads (`watches_skips`), no check
+    and no conditional are made (constant False).
     """
     tensors = [t for t in tree.flatten(data) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
-    if not tensors:
+    if not tensors or (model is not None and not watches_skips(model)):
         return tf.constant(False)
     return tf.cond(
         finite, lambda: tf.constant(False), lambda: tf.logical_not(all_finite(tensors))

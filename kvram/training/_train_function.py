@@ -315,7 +315,9 @@ class TrainFunction:
             self.model, self.step_state, x, y, sample_weight, micro_batch_size
         )
         # The batch is checked for NaN/Inf only when its gradients are not finite.
-        return gradients, _step.bad_inputs(_step.all_finite(gradients), (x, y, sample_weight))
+        return gradients, _step.bad_inputs(
+            _step.all_finite(gradients), (x, y, sample_weight), self.model
+        )
 
     def _gradients(self):
         """Part 1, `(data, micro_batch_size) -> (gradients, bad_inputs)`, for any
