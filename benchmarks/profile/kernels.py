@@ -83,13 +83,7 @@ def gaps(kernels, steps: int, largest: int = 12) -> dict:
     time in gaps under 50 us (launch after launch), 50 us to 1 ms, and 1 ms or
     more (the host, or a copy, held the GPU up), and the `largest` gaps with
     the kernels either side."""
-    ordered = sorted(kernels, key=lambda record: record[1])
-    found, end, before = [], None, None
-    for name, start, dur, _stream, _op in ordered:
-        if end is not None and start > end:
-            found.append((start - end, before, name))
-        if end is None or start + dur > end:
-            end, before = start + dur, name
+    found = _idle(kernels)
     bands = {"under_50us": (0, 50), "50us_to_1ms": (50, 1000), "1ms_or_more": (1000, float("inf"))}
     return {
         "steps": steps,
@@ -98,7 +92,59 @@ def gaps(kernels, steps: int, largest: int = 12) -> dict:
         "gaps_per_step": {band: sum(1 for g, *_ in found if low <= g < high) / steps
                           for band, (low, high) in bands.items()},
         "largest": [{"ms": round(g / 1e3, 3), "after": a[:80], "before": b[:80]}
-                    for g, a, b in sorted(found, key=lambda item: -item[0])[:largest]],
+                    for g, a, b, _start in sorted(found, key=lambda item: -item[0])[:largest]],
+    }
+
+
+def _idle(kernels):
+    """[(gap_us, kernel before, kernel after, gap start_us)] of every stretch
+    when no kernel or copy ran; memcpys named with their op ("MemcpyD2H [op]")."""
+    ordered = sorted(kernels, key=lambda record: record[1])
+    found, end, before = [], None, None
+    for name, start, dur, _stream, op in ordered:
+        label = f"{name} [{op}]" if name.startswith("Memcpy") and op else name
+        if end is not None and start > end:
+            found.append((start - end, before, label, end))
+        if end is None or start + dur > end:
+            end, before = start + dur, label
+    return found
+
+
+def host_during_gaps(kernels, host_events, steps: int, least_us: float = 50, top: int = 25) -> dict:
+    """What the host was doing while the GPU sat idle for `least_us` or more:
+    per host event name, the milliseconds a step it overlapped such gaps
+    (nested events each count, so the names do not add up), and for the
+    largest gaps the host events that overlapped them most.
+
+    `host_events`: `(name, start_us, dur_us, thread)` from `xspace_host_events`."""
+    gaps_found = sorted((g for g in _idle(kernels) if g[0] >= least_us), key=lambda g: g[3])
+    events = sorted(host_events, key=lambda e: e[1])
+    overlap: dict[str, float] = {}
+    per_gap = []
+    first = 0
+    for gap, after, before, start in gaps_found:
+        end = start + gap
+        while first < len(events) and events[first][1] + events[first][2] < start - 1e6:
+            first += 1  # events ending long before: no later gap reaches them (1 s bound)
+        here: dict[str, float] = {}
+        for name, e_start, e_dur, thread in events[first:]:
+            if e_start >= end:
+                break
+            shared = min(end, e_start + e_dur) - max(start, e_start)
+            if shared > 0:
+                here[f"{name[:90]} @{thread[:30]}"] = here.get(f"{name[:90]} @{thread[:30]}", 0.0) + shared
+        for key, value in here.items():
+            overlap[key] = overlap.get(key, 0.0) + value
+        per_gap.append((gap, after, before, here))
+    largest = sorted(per_gap, key=lambda item: -item[0])[:12]
+    return {
+        "gaps": len(gaps_found),
+        "idle_ms_per_step": sum(g[0] for g in gaps_found) / steps / 1e3,
+        "host_ms_per_step": [(k, round(v / steps / 1e3, 3))
+                             for k, v in sorted(overlap.items(), key=lambda kv: -kv[1])[:top]],
+        "largest": [{"ms": round(g / 1e3, 3), "after": a[:120], "before": b[:120],
+                     "host": [(k, round(v / 1e3, 3)) for k, v in sorted(h.items(), key=lambda kv: -kv[1])[:8]]}
+                    for g, a, b, h in largest],
     }
 
 
@@ -189,6 +235,29 @@ def xspace_kernels(path: str):
                 start_us = line.timestamp_ns / 1e3 + event.offset_ps / 1e6
                 records.append((meta.name or meta.display_name, start_us, event.duration_ps / 1e6,
                                 line.name, op))
+    return records
+
+
+def xspace_host_events(path: str, limit: int = 3_000_000):
+    """`(name, start_us, dur_us, thread)` of the host's traced events (TensorFlow
+    ops, XLA's runtime, tf.data) from a TensorFlow profiler `*.xplane.pb` file."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    records = []
+    for plane in space.planes:
+        if not plane.name.startswith("/host:"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                meta = plane.event_metadata[event.metadata_id]
+                start_us = line.timestamp_ns / 1e3 + event.offset_ps / 1e6
+                records.append((meta.display_name or meta.name, start_us, event.duration_ps / 1e6,
+                                line.display_name or line.name))
+                if len(records) >= limit:
+                    return records
     return records
 
 

@@ -141,7 +141,7 @@ def _configs(model):
 def run_tf(name, settings, args):
     import tensorflow as tf
 
-    from kernels import breakdown, by_part, hlo_op_names, xspace_kernels
+    from kernels import breakdown, by_part, gaps, hlo_op_names, host_during_gaps, xspace_host_events, xspace_kernels
 
     batch, device = settings.get("batch", args.batch), args.device
     if args.model == "vit":
@@ -184,6 +184,11 @@ def run_tf(name, settings, args):
         kernels = xspace_kernels(planes[0]) if planes else []
         result["profile"] = breakdown(kernels, profile_steps) if kernels else {
             "kernels": 0, "note": f"no GPU kernels in the trace ({len(planes)} xplane files)"}
+        if kernels:
+            result["gaps"] = gaps(kernels, profile_steps)
+            if args.host:
+                result["host_during_gaps"] = host_during_gaps(kernels, xspace_host_events(planes[0]),
+                                                              profile_steps)
         if kernels and args.model in _BY_PART:
             op_names = hlo_op_names(_xla_dump_dir(args.raw_dir, name))
             result["profile"]["hlo_instructions_named"] = len(op_names)
@@ -262,6 +267,8 @@ def main():
     parser.add_argument("--budget-gib", type=float, default=0.0,
                         help="--model decoder: the kvram_plan* configurations' budget (as in its bench.py)")
     parser.add_argument("--raw-dir", default=None, help="keep kernel records and HLO here")
+    parser.add_argument("--host", action="store_true",
+                        help="TF: also say what the host was doing while the GPU sat idle (host_during_gaps)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -290,6 +297,8 @@ def main():
                    "--budget-gib", str(args.budget_gib)]
         if args.raw_dir:
             command += ["--raw-dir", args.raw_dir]
+        if args.host:
+            command += ["--host"]
         started = time.perf_counter()
         try:
             proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)

@@ -141,6 +141,10 @@ CONFIGS = {
     # as float32 in profile_vit_gaps_h200.json); the model's first layer computes in
     # bfloat16 under mixed_bfloat16 either way, so its values are the same
     "kvram_cudnn_lean_nockpt_bf16data": ("tf", dict(_CUDNN, checkpoint=False, lean=True, data_dtype="bfloat16")),
+    # no skip guard and no skip counting read (skip_nonfinite=False, max_consecutive_skips=None):
+    # the step has no XLA conditional, whose predicate XLA's GPU runtime copies to the host
+    # and waits for; the upper bound of what the guard's conditionals cost
+    "kvram_cudnn_lean_nockpt_unguarded": ("tf", dict(_CUDNN, checkpoint=False, lean=True, unguarded=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),
@@ -175,6 +179,8 @@ def build_tf(settings, batch, device):
             kvram.speed.lean_activations(model)
         if settings["attention"] == "keras" and not settings.get("kvram_data"):
             model.prefetch_to_gpu = None  # plain Keras: no kvram data path either
+        if settings.get("unguarded"):
+            model.skip_nonfinite, model.max_consecutive_skips = False, None
         if "prefetch" in settings:  # batches copied ahead to the GPU (None: off)
             model.prefetch_to_gpu = settings["prefetch"]
         # "default": the README's usage, kvram's defaults (XLA on a GPU, steps_per_execution "auto")
