@@ -375,6 +375,65 @@ def test_auto_is_saved_as_auto(tmp_path):
     assert loaded._auto_steps_per_execution and loaded.steps_per_execution == 1  # until fit resolves it
 
 
+def _keras_loop(net):
+    """`net` with Keras's own multi-step loop instead of kvram's."""
+    net._make_function = lambda step_function: keras.Model._make_function(net, step_function)
+    return net
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("known_size", [True, False])
+def test_the_multi_step_loop_on_the_host_trains_as_keras_loop_does(jit_compile, known_size):
+    # 10 batches at 4 a call: the last call is short; two epochs; and evaluate
+    x, y = data(n=10 * 8)
+    runs = []
+    for keras_loop in (False, True):
+        keras.utils.set_random_seed(3)
+        net = mlp(checkpoint=False)
+        if keras_loop:
+            _keras_loop(net)
+        net.compile(optimizer="adam", loss="mse", steps_per_execution=4, jit_compile=jit_compile)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        if not known_size:
+            dataset = dataset.filter(lambda a, b: True)  # cardinality unknown: the loop finds the end
+        history = net.fit(dataset, epochs=2, verbose=0).history
+        runs.append((values(net.weights), history, net.evaluate(dataset, verbose=0),
+                     int(net.optimizer.iterations.numpy())))
+    (weights, history, evaluated, iterations), keras_run = runs
+    assert iterations == keras_run[3] == 20
+    assert history == keras_run[1] and evaluated == keras_run[2]
+    for a, b in zip(weights, keras_run[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+def _nodes(function_graph_def):
+    nodes = list(function_graph_def.node)
+    for function in function_graph_def.library.function:
+        nodes += list(function.node_def)
+    return nodes
+
+
+def test_the_multi_step_loop_control_is_placed_on_the_host():
+    # On a GPU, Keras's loop computed its condition there and waited for it
+    # once a step (kvram/training/_execution.py, multi_step_function)
+    x, y = data(n=4 * 8)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    for keras_loop in (False, True):
+        net = mlp(checkpoint=False)
+        if keras_loop:
+            _keras_loop(net)
+        net.compile(optimizer="adam", loss="mse", steps_per_execution=4)
+        net.fit(dataset, verbose=0)
+        multi_step = getattr(net.train_function, "multi_step", None)
+        if keras_loop:
+            assert multi_step is None
+            continue
+        graph = multi_step.get_concrete_function(iter(dataset)).graph.as_graph_def()
+        control = [n for n in _nodes(graph) if n.op in ("LogicalAnd", "Less", "GreaterEqual")]
+        assert {n.op for n in control} >= {"LogicalAnd", "Less", "GreaterEqual"}
+        assert all("CPU:0" in n.device for n in control), [(n.op, n.device) for n in control]
+
+
 class _Traces:
     """Counts the traces of a model's train_step and test_step."""
 

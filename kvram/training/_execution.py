@@ -14,6 +14,7 @@ watcher) that defines a batch hook of the loop being run, a batch-size controlle
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 
 AUTO = "auto"
 AUTO_STEPS = 16
@@ -77,3 +78,95 @@ def resolve(model, callbacks, loop: str) -> None:
     if steps != model.steps_per_execution:
         model.steps_per_execution = steps
         model.train_function = model.test_function = model.predict_function = None
+
+
+# Where the multi-step loop's own control (its counter, the iterator's "has a
+# batch", their `and`) is computed.
+HOST = "/device:CPU:0"
+
+
+def multi_step_function(model, step_function):
+    """Keras's TensorFlow trainer's function for `steps_per_execution` > 1
+    (`TensorFlowTrainer._make_function`, Keras 3.12-3.15: a `tf.while_loop`
+    over the iterator's batches, each through the compiled `step_function`),
+    with the loop's control computed on the host.
+
+    In Keras's loop the condition `logical_and(step < n, has_value())` has no
+    device and lands on the GPU: its two host-memory inputs are copied to the
+    GPU, the `and` queues behind the step's kernels, and the loop (TF's
+    `LoopCond`, and the `tf.cond` before each step) copies it back to the host
+    and waits for it. That is a wait for the whole previous step, once per
+    step, and the GPU then sat idle while the host launched the next one: on
+    an H200, ViT-B/16 at batch 256 had 5.2 and 2.8 ms gaps a step after those
+    copies (`benchmarks/profile/step.py --host`,
+    `results/profile_vit_host_h200.json`). Pinned to the host, the loop's
+    control needs nothing from the GPU, so the host runs ahead of it.
+
+    Batches are taken as Keras takes them: the next one is fetched after each
+    step except the execution's last, so no batch is drawn and dropped.
+    """
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+    from kvram.training._train_function import _no_optionals
+
+    strategy = model.distribute_strategy
+
+    def one_step_on_data(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return reduce_per_replica(outputs, strategy, reduction="auto")
+
+    compiled = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
+
+    def one_step(data):
+        return compiled(_no_optionals(data))
+
+    def multi_step_on_iterator(iterator):
+        steps = model.steps_per_execution
+        # its element spec is set while the loop's body is traced (as in Keras)
+        empty = tf.experimental.Optional.empty(None)
+
+        def more(step, outputs, inputs):
+            with tf.device(HOST):
+                return tf.logical_and(tf.less(step, steps), inputs.has_value())
+
+        def body(step, outputs, inputs):
+            outputs = tf.experimental.Optional.from_value(one_step(inputs.get_value()))
+            empty._element_spec = outputs.element_spec
+            with tf.device(HOST):
+                step = step + 1
+                last = tf.greater_equal(step, steps)
+            following = tf.cond(last, lambda: inputs, iterator.get_next_as_optional)
+            return step, outputs, following
+
+        with tf.device(HOST):
+            step = tf.constant(0)
+        _, outputs, _ = tf.while_loop(
+            more, body, loop_vars=[step, empty, iterator.get_next_as_optional()]
+        )
+        outputs._element_spec = empty.element_spec
+        return outputs
+
+    multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            outputs = multi_step_on_iterator(iterator)
+            if not outputs.has_value():
+                raise StopIteration
+            return outputs.get_value()
+        for _, data in zip(range(model.steps_per_execution), iterator):
+            outputs = one_step(data)
+        return outputs
+
+    function.multi_step = multi_step_on_iterator
+    return function
+
+
+def loop_on_host(model) -> bool:
+    """Whether `model`'s train/test function is `multi_step_function`'s: several
+    steps per call, traced (not eager), Keras's loop not unrolled."""
+    return (
+        not model.run_eagerly
+        and int(model.steps_per_execution) > 1
+        and int(getattr(model, "unrolled_steps_per_execution", 1)) == 1
+    )

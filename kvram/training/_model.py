@@ -370,6 +370,12 @@ class Model(keras.Model):
             pass
         return None
 
+    def _make_function(self, step_function):
+        # Keras's train and test functions, with the multi-step loop's control on the host
+        if _execution.loop_on_host(self):
+            return _execution.multi_step_function(self, step_function)
+        return super()._make_function(step_function)
+
     def make_train_function(self, force=False):
         # Where Keras's own step fails (`keras_step_fails`) kvram's runs, which
         # compiles each replica's step under XLA over several local devices
