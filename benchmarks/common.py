@@ -189,3 +189,12 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def use_keras_loop(model) -> None:
+    """`model` (a kvram.Model) runs Keras's own multi-step loop, whose condition
+    sits on the GPU, instead of kvram's loop on the host: the A/B of
+    `kvram.training._execution.multi_step_function`."""
+    import keras
+
+    model._make_function = lambda step_function: keras.Model._make_function(model, step_function)

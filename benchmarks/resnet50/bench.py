@@ -26,7 +26,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import add_xla_flags, timed_fit, timed_torch_steps, training_main  # noqa: E402
+from benchmarks.common import add_xla_flags, timed_fit, timed_torch_steps, training_main, use_keras_loop  # noqa: E402
 
 # name: (framework, settings)
 CONFIGS = {
@@ -101,6 +101,12 @@ CONFIGS = {
         "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=["stem", 2],
                    recompute=True, spe=16, pin=True)
     ),
+    # Keras's own multi-step loop (its condition on the GPU, waited for once a step), against
+    # kvram's loop on the host
+    "kvram_fp16_pin_spe16_cublaslt_kerasloop": (
+        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_cublaslt=true", keras_loop=True)
+    ),
     "torch_fp16": ("torch", dict(segments=0)),
     "torch_fp16_ckpt4": ("torch", dict(segments=4)),
     "torch_fp16_ckpt4_inplace": ("torch", dict(segments=4, inplace=True)),
@@ -145,6 +151,8 @@ def build_tf(settings, batch, device, image_size=224):
         tuning = {} if settings.get("default") else dict(
             jit_compile=settings["jit"], steps_per_execution=settings.get("spe", 1)
         )
+        if settings.get("keras_loop"):
+            use_keras_loop(model)
         model.compile(
             optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
             loss="sparse_categorical_crossentropy",

@@ -39,7 +39,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import add_xla_flags, timed_fit, timed_torch_steps, training_main, versions  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_xla_flags, timed_fit, timed_torch_steps, training_main, use_keras_loop, versions,
+)
 
 # what every kvram_cudnn_* configuration shares
 _CUDNN = dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", spe=16, pin=True,
@@ -144,6 +146,9 @@ CONFIGS = {
     # no skip guard and no skip counting read (skip_nonfinite=False, max_consecutive_skips=None):
     # the step has no XLA conditional, whose predicate XLA's GPU runtime copies to the host
     # and waits for; the upper bound of what the guard's conditionals cost
+    # Keras's own multi-step loop (its condition on the GPU, waited for once a step), against
+    # kvram's loop on the host
+    "kvram_cudnn_lean_nockpt_kerasloop": ("tf", dict(_CUDNN, checkpoint=False, lean=True, keras_loop=True)),
     "kvram_cudnn_lean_nockpt_unguarded": ("tf", dict(_CUDNN, checkpoint=False, lean=True, unguarded=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
@@ -179,6 +184,8 @@ def build_tf(settings, batch, device):
             kvram.speed.lean_activations(model)
         if settings["attention"] == "keras" and not settings.get("kvram_data"):
             model.prefetch_to_gpu = None  # plain Keras: no kvram data path either
+        if settings.get("keras_loop"):
+            use_keras_loop(model)
         if settings.get("unguarded"):
             model.skip_nonfinite, model.max_consecutive_skips = False, None
         if "prefetch" in settings:  # batches copied ahead to the GPU (None: off)
