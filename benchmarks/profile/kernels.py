@@ -110,6 +110,26 @@ def _idle(kernels):
     return found
 
 
+def host_busy(host_events, kernels, steps: int, top: int = 40) -> dict:
+    """Milliseconds a step of each host event name (by thread kind: the
+    thread's name up to its first '/' or digit), inside the GPU's profiled
+    window: where the host's time goes while it launches the steps."""
+    start = min(k[1] for k in kernels)
+    end = max(k[1] + k[2] for k in kernels)
+    total: dict[str, list] = {}
+    for name, e_start, e_dur, thread in host_events:
+        shared = min(end, e_start + e_dur) - max(start, e_start)
+        if shared <= 0:
+            continue
+        kind = re.split(r"[/\d]", thread, maxsplit=1)[0]
+        entry = total.setdefault(f"{name[:90]} @{kind}", [0.0, 0])
+        entry[0] += shared
+        entry[1] += 1
+    return {"window_ms_per_step": (end - start) / steps / 1e3,
+            "events_ms_per_step": [(k, round(v[0] / steps / 1e3, 3), round(v[1] / steps, 2))
+                                   for k, v in sorted(total.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
 def host_during_gaps(kernels, host_events, steps: int, least_us: float = 50, top: int = 25) -> dict:
     """What the host was doing while the GPU sat idle for `least_us` or more:
     per host event name, the milliseconds a step it overlapped such gaps

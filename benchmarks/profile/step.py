@@ -141,7 +141,9 @@ def _configs(model):
 def run_tf(name, settings, args):
     import tensorflow as tf
 
-    from kernels import breakdown, by_part, gaps, hlo_op_names, host_during_gaps, xspace_host_events, xspace_kernels
+    from kernels import (
+        breakdown, by_part, gaps, hlo_op_names, host_busy, host_during_gaps, xspace_host_events, xspace_kernels,
+    )
 
     batch, device = settings.get("batch", args.batch), args.device
     if args.model == "vit":
@@ -187,8 +189,9 @@ def run_tf(name, settings, args):
         if kernels:
             result["gaps"] = gaps(kernels, profile_steps)
             if args.host:
-                result["host_during_gaps"] = host_during_gaps(kernels, xspace_host_events(planes[0]),
-                                                              profile_steps)
+                host_events = xspace_host_events(planes[0])
+                result["host_during_gaps"] = host_during_gaps(kernels, host_events, profile_steps)
+                result["host_busy"] = host_busy(host_events, kernels, profile_steps)
         if kernels and args.model in _BY_PART:
             op_names = hlo_op_names(_xla_dump_dir(args.raw_dir, name))
             result["profile"]["hlo_instructions_named"] = len(op_names)
