@@ -1,0 +1,125 @@
+"""How far the host runs ahead of the GPU in kvram's multi-step loop, without
+the profiler (TensorFlow's profiler turns XLA's CUDA command buffers off, so
+its host timeline is not the one training has).
+
+For each configuration (of `benchmarks/vit/bench.py`, or `--model resnet50`'s
+`benchmarks/resnet50/bench.py`), in its own process: build, compile, warm up with
+`fit`, then call the model's compiled multi-step function
+(`kvram.training._execution.multi_step_function`, `steps_per_execution` steps
+a call) `--calls` times on the data path `fit` uses, timing
+
+- `enqueue`: from the call until it returns (the host has launched every step
+  of the call, or waited inside it: an XLA conditional's predicate is copied
+  to the host and waited for);
+- `done`: from the call until its loss has reached the host (the GPU finished).
+
+Where `enqueue` is close to `done` the host is the bottleneck or waits on the
+GPU inside the call; where it is well short, the GPU is, and the host's lead is
+their difference.
+
+    python benchmarks/profile/host_lead.py --only kvram_cudnn_lean_nockpt --only kvram_cudnn_lean_nockpt_unguarded
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from benchmarks.common import add_xla_flags, gpu_name, timed_fit  # noqa: E402
+
+
+def _configs(model):
+    if model == "resnet50":
+        from benchmarks.resnet50.bench import CONFIGS
+    else:
+        from benchmarks.vit.bench import CONFIGS
+    return CONFIGS
+
+
+def run(name, args) -> dict:
+    framework, settings = _configs(args.model)[name]
+    if framework != "tf":
+        raise SystemExit(f"{name} is not a TensorFlow configuration")
+    add_xla_flags(settings)
+    if args.model == "resnet50":
+        from benchmarks.resnet50.bench import build_tf
+
+        model, data = build_tf(settings, args.batch, args.device, 224)
+    else:
+        from benchmarks.vit.bench import build_tf
+
+        model, data = build_tf(settings, args.batch, args.device)
+    warm = timed_fit(model, data, args.warmup, args.warmup, [args.device])
+    multi = getattr(model.train_function, "multi_step", None)
+    if multi is None:
+        return {"error": "no kvram multi-step function (Keras's loop, or one step a call)", "settings": settings}
+    iterator = iter(model._prefetched(data))
+    spe = int(model.steps_per_execution)
+    enqueue, done = [], []
+    for _ in range(args.calls):
+        start = time.perf_counter()
+        outputs = multi(iterator)
+        returned = time.perf_counter()
+        float(outputs.get_value()["loss"])
+        finished = time.perf_counter()
+        enqueue.append((returned - start) / spe * 1e3)
+        done.append((finished - start) / spe * 1e3)
+    return {
+        "settings": settings,
+        "steps_per_call": spe,
+        "warm_img_per_s": args.batch * warm["steps"] / warm["seconds"],
+        "enqueue_ms_per_step": enqueue,
+        "done_ms_per_step": done,
+        "median_enqueue_ms_per_step": statistics.median(enqueue),
+        "median_done_ms_per_step": statistics.median(done),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("vit", "resnet50"), default="vit")
+    parser.add_argument("--only", action="append", required=True)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0: smoke test)")
+    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run(args.child, args)), flush=True)
+        return
+    results = {}
+    for name in args.only:
+        command = [sys.executable, __file__, "--child", name, "--model", args.model, "--batch", str(args.batch),
+                   "--warmup", str(args.warmup), "--calls", str(args.calls), "--device", args.device,
+                   "--only", name]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            results[name] = json.loads(lines[-1][7:]) if lines else {"error": (proc.stderr or proc.stdout)[-3000:]}
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"timed out after {args.timeout} s"}
+        r = results[name]
+        if "error" in r:
+            print(f"{name:36} FAILED {r['error'][-600:]}", flush=True)
+        else:
+            print(f"{name:36} enqueue {r['median_enqueue_ms_per_step']:6.1f} ms/step, done "
+                  f"{r['median_done_ms_per_step']:6.1f} ms/step (warm-up {r['warm_img_per_s']:.0f} img/s)", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"benchmark": f"host-lead-{args.model}", "gpu": gpu_name(), "batch": args.batch,
+                           "command": "python " + " ".join(sys.argv), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
