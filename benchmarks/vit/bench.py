@@ -150,6 +150,9 @@ CONFIGS = {
     # kvram's loop on the host
     "kvram_cudnn_lean_nockpt_kerasloop": ("tf", dict(_CUDNN, checkpoint=False, lean=True, keras_loop=True)),
     "kvram_cudnn_lean_nockpt_unguarded": ("tf", dict(_CUDNN, checkpoint=False, lean=True, unguarded=True)),
+    "kvram_cudnn_lean_nockpt_noprefetch_unguarded": (
+        "tf", dict(_CUDNN, checkpoint=False, lean=True, prefetch=None, unguarded=True)
+    ),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),

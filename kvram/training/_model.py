@@ -91,6 +91,10 @@ class Model(keras.Model):
       H200: 1.05x), and one batch per call where a callback passed to that call
       defines a batch hook (`on_train_batch_end`, ...: it then sees every batch),
       under `AdaptiveBatchSize`, and with `run_eagerly=True`. An int is used as given.
+      With several batches a call, the loop over them is Keras's with its own
+      control (step count, "is there a batch") computed on the host: Keras's
+      computes it on the GPU and waits for it every batch (ViT-B/16 on an
+      H200: 1.02x).
 
     Args:
         *args: `inputs, outputs` for a functional model, or nothing for a subclass.
