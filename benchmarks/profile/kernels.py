@@ -226,13 +226,19 @@ def breakdown(kernels, steps: int) -> dict:
     }
 
 
-def xspace_kernels(path: str):
-    """Kernel and memcpy records from a TensorFlow profiler `*.xplane.pb` file."""
+def _xspace(path: str):
+    """A TensorFlow profiler `*.xplane.pb` file, parsed."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
+    return space
+
+
+def xspace_kernels(path: str):
+    """Kernel and memcpy records from a TensorFlow profiler `*.xplane.pb` file."""
+    space = _xspace(path)
     records = []
     for plane in space.planes:
         if not plane.name.startswith("/device:GPU"):
@@ -261,11 +267,7 @@ def xspace_kernels(path: str):
 def xspace_host_events(path: str, limit: int = 3_000_000):
     """`(name, start_us, dur_us, thread)` of the host's traced events (TensorFlow
     ops, XLA's runtime, tf.data) from a TensorFlow profiler `*.xplane.pb` file."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
+    space = _xspace(path)
     records = []
     for plane in space.planes:
         if not plane.name.startswith("/host:"):
