@@ -232,7 +232,9 @@ def supervise(argv: list[str], checks_file: str | None) -> int:
     is kept as such). The child measures and compiles without autotuning
     (`checking_environment`); with `--measure`, the recommendation is then
     trained in a second child, whose steps are compiled and run as the user's
-    training will be (the environment as given). Both children's stage lines
+    training will be (the environment as given). That child starts beside
+    the first and waits, TensorFlow imported, until told to go once the
+    first has ended (`tell`, `wait_to_go`). Both children's stage lines
     count from this call (`STARTED`). The exit code of the last child."""
     started = {STARTED: repr(time.time())}  # both children's stage lines count from here
     own = checks_file is None
@@ -252,16 +254,57 @@ def supervise(argv: list[str], checks_file: str | None) -> int:
 
 
 def _estimate_then_measure(argv, command, path, run, own, estimate_file, started) -> int:
-    code = _estimate(command, path, run, own, checking_environment() | started)
-    if code != 0 or estimate_file is None or not os.path.exists(estimate_file):
-        return code  # failed, or nothing recommended to measure
-    measuring = [sys.executable, "-m", "kvram", *argv, "--isolate", "never", "--measure-from", estimate_file]
-    code = subprocess.call(measuring, env=dict(os.environ) | started)
+    if estimate_file is None:
+        return _estimate(command, path, run, own, checking_environment() | started)
+    # --measure's process starts now and imports TensorFlow while the estimate
+    # runs (12-14 s on the H200s, benchmarks/results/plan_minute_h200/README.md);
+    # it starts the GPU only once told to go, after the estimate's process ended
+    go = f"{estimate_file}.go"
+    measuring = subprocess.Popen(
+        [sys.executable, "-m", "kvram", *argv, "--isolate", "never", "--measure-from", estimate_file,
+         "--measure-when", go],
+        env=dict(os.environ) | started | {PARENT: str(os.getpid())},
+    )
+    ready = False
+    try:
+        code = _estimate(command, path, run, own, checking_environment() | started)
+        ready = code == 0 and os.path.exists(estimate_file)  # else failed, or nothing recommended
+    finally:
+        tell(go, ready)
+        measured = measuring.wait()
+    if not ready:
+        return code
+    code = measured
     if code < 0:
         print(f"kvram plan: the process training the recommendation for --measure {describe_exit(code)}; "
               "the estimate above stands", file=sys.stderr, flush=True)
         return 1
     return code
+
+
+def tell(path: str, go: bool) -> None:
+    """Tells the process waiting in `wait_to_go(path)` to go on, or to stop."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        f.write("go" if go else "stop")
+    os.replace(partial, path)
+
+
+# The waiting process's id, for --measure's process (`wait_to_go`).
+PARENT = "KVRAM_PLAN_PARENT"
+
+
+def wait_to_go(path: str, poll: float = 0.05) -> bool:
+    """Waits until `tell(path, ...)`: True to go on, False to stop; also False
+    once the process that would tell (`PARENT`, this process's parent) has
+    ended."""
+    parent = int(os.environ.get(PARENT, os.getppid()))
+    while not os.path.exists(path):
+        if os.getppid() != parent:
+            return False
+        time.sleep(poll)
+    with open(path) as f:
+        return f.read() == "go"
 
 
 def _estimate(command, path, run, own, env) -> int:

@@ -697,37 +697,94 @@ def test_an_estimate_read_back_from_its_json_is_the_same():
     assert str(remat.Estimate.from_json(again)) == str(found) and "<- recommended" in str(found)
 
 
+class _MeasuringChild:
+    """A stand-in for `subprocess.Popen` of --measure's child: records its
+    command, and when waited for, what it was told (`--measure-when`)."""
+
+    def __init__(self, calls, code=0):
+        self.calls, self.code = calls, code
+
+    def __call__(self, command, env=None):
+        self.calls.append(("measuring", command, env))
+        self.command = command
+        return self
+
+    def wait(self):
+        go = self.command[self.command.index("--measure-when") + 1]
+        with open(go) as f:
+            self.calls.append(("told", f.read()))
+        return self.code
+
+
+def _estimating_child(calls, estimate=True, code=0):
+    """A stand-in for `subprocess.call` of the estimate's child: writes the
+    estimate where the parent asked (`estimate`), then says it finished."""
+
+    def child(command, env=None):
+        calls.append(("estimating", command, env))
+        if estimate:
+            with open(command[command.index("--estimate-file") + 1], "w") as f:
+                json.dump(_report(), f)
+        _finish_as_the_child(command, code)
+        return code
+
+    return child
+
+
 def test_cli_plan_measures_in_a_second_child_compiled_as_training_will_be(tmp_path, monkeypatch, capsys):
     import subprocess
 
-    calls, estimate_files = [], []
+    calls = []
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_cublaslt=true")
-
-    def child(command, env=None):
-        calls.append((command, env))
-        if "--plan-child" in command:  # the estimate: written where the parent asked, then finished
-            path = command[command.index("--estimate-file") + 1]
-            estimate_files.append(path)
-            with open(path, "w") as f:
-                json.dump(_report(), f)
-            _finish_as_the_child(command)
-        return 0
-
-    monkeypatch.setattr(subprocess, "call", child)
+    monkeypatch.setattr(subprocess, "call", _estimating_child(calls))
+    monkeypatch.setattr(subprocess, "Popen", _MeasuringChild(calls))
     code = cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "16", "--measure",
                      "--isolate", "always"])
-    assert code == 0 and len(calls) == 2, calls
-    (estimating, env), (measuring, measure_env) = calls
+    # --measure's child starts first (it imports TensorFlow meanwhile) and is
+    # told to go once the estimate's process has ended
+    assert code == 0 and [c[0] for c in calls] == ["measuring", "estimating", "told"], calls
+    (_, measuring, measure_env), (_, estimating, env), told = calls
+    assert told == ("told", "go")
     assert env["XLA_FLAGS"] == "--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0"
     assert env["TF_CUDNN_USE_AUTOTUNE"] == "0"
     assert "--measure-from" not in estimating
     # the second child: the user's environment and the command's start (as the
-    # first child's), the estimate's file
+    # first child's), this process as the one that tells it, the estimate's file
     started = env.pop(_plan_process.STARTED)
-    assert measure_env == os.environ | {_plan_process.STARTED: started} and "--plan-child" not in measuring
+    assert measure_env == os.environ | {_plan_process.STARTED: started, _plan_process.PARENT: str(os.getpid())}
+    assert "--plan-child" not in measuring
     assert _plan_process.STARTED not in os.environ  # this process's own is left as it was
-    assert measuring[-4:] == ["--isolate", "never", "--measure-from", estimate_files[0]]  # the last wins
-    assert not os.path.exists(os.path.dirname(estimate_files[0]))  # removed once measured
+    estimate_file = estimating[estimating.index("--estimate-file") + 1]
+    assert measuring[-6:] == ["--isolate", "never", "--measure-from", estimate_file,
+                              "--measure-when", f"{estimate_file}.go"]  # the last wins
+    assert not os.path.exists(os.path.dirname(estimate_file))  # removed once measured
+
+
+@pytest.mark.parametrize("estimate, code", [(False, 1), (True, 2)])
+def test_cli_plan_tells_measures_child_to_stop_when_nothing_is_to_measure(monkeypatch, estimate, code):
+    # nothing recommended (no estimate written), or the estimate's process failed
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(subprocess, "call", _estimating_child(calls, estimate=estimate, code=code))
+    monkeypatch.setattr(subprocess, "Popen", _MeasuringChild(calls, code=0))
+    assert cli.main(["plan", "--model", "tests.test_plan:small_model", "--batch-size", "16", "--measure",
+                     "--isolate", "always"]) == code
+    assert [c[0] for c in calls] == ["measuring", "estimating", "told"] and calls[-1] == ("told", "stop")
+
+
+def test_measures_child_waits_to_be_told(tmp_path, monkeypatch):
+    import threading
+
+    go = str(tmp_path / "estimate.json.go")
+    monkeypatch.setenv(_plan_process.PARENT, str(os.getppid()))  # this process's parent "tells"
+    threading.Timer(0.2, _plan_process.tell, (go, True)).start()
+    assert _plan_process.wait_to_go(go, poll=0.01) is True
+    _plan_process.tell(go, False)
+    assert _plan_process.wait_to_go(go) is False
+    # the process that would tell has ended: stop
+    monkeypatch.setenv(_plan_process.PARENT, str(os.getppid() + 1))
+    assert _plan_process.wait_to_go(str(tmp_path / "never.go"), poll=0.01) is False
 
 
 def test_cli_plan_without_measure_starts_one_child(tmp_path, monkeypatch):

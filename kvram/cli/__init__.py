@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     # there, and a second child trains its recommendation (compiled as training will be)
     planner.add_argument("--estimate-file", default=None, help=argparse.SUPPRESS)
     planner.add_argument("--measure-from", default=None, help=argparse.SUPPRESS)
+    # and with it, the file the parent writes once the estimate's process has ended
+    planner.add_argument("--measure-when", default=None, help=argparse.SUPPRESS)
     planner.set_defaults(func=_plan)
     shards = sub.add_parser("shards", help="write or inspect .npy shard directories")
     shards_sub = shards.add_subparsers(dest="shards_command", required=True)

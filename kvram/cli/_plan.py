@@ -44,6 +44,8 @@ def _model_builder(spec: str, input_shape, classes: int):
 
 
 def _plan(args) -> int:
+    if args.measure_when and not _plan_process.wait_to_go(args.measure_when):
+        return _end(args, 0)  # the estimate failed or recommended nothing: nothing to measure
     try:
         memory_bytes = remat.parse_bytes(args.gpu_memory) if args.gpu_memory else None
     except ValueError as error:
