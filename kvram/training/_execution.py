@@ -108,15 +108,12 @@ def multi_step_function(model, step_function):
     Batches are taken as Keras takes them: the next one is fetched after each
     step except the execution's last, so no batch is drawn and dropped.
     """
-    from keras.src.backend.tensorflow.trainer import reduce_per_replica
-
-    from kvram.training._train_function import _no_optionals
+    from kvram.training._train_function import _no_optionals, reduce_logs, run_steps
 
     strategy = model.distribute_strategy
 
     def one_step_on_data(data):
-        outputs = strategy.run(step_function, args=(data,))
-        return reduce_per_replica(outputs, strategy, reduction="auto")
+        return reduce_logs(strategy.run(step_function, args=(data,)), strategy)
 
     compiled = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
 
@@ -157,9 +154,7 @@ def multi_step_function(model, step_function):
             if not outputs.has_value():
                 raise StopIteration
             return outputs.get_value()
-        for _, data in zip(range(model.steps_per_execution), iterator):
-            outputs = one_step(data)
-        return outputs
+        return run_steps(model, iterator, one_step)
 
     function.multi_step = multi_step_on_iterator
     return function
