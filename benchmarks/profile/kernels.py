@@ -147,12 +147,14 @@ def host_during_gaps(kernels, host_events, steps: int, least_us: float = 50, top
         while first < len(events) and events[first][1] + events[first][2] < start - 1e6:
             first += 1  # events ending long before: no later gap reaches them (1 s bound)
         here: dict[str, float] = {}
-        for name, e_start, e_dur, thread in events[first:]:
-            if e_start >= end:
-                break
+        i = first
+        while i < len(events) and events[i][1] < end:  # by index: no copy of the rest a gap
+            name, e_start, e_dur, thread = events[i]
             shared = min(end, e_start + e_dur) - max(start, e_start)
             if shared > 0:
-                here[f"{name[:90]} @{thread[:30]}"] = here.get(f"{name[:90]} @{thread[:30]}", 0.0) + shared
+                key = f"{name[:90]} @{thread[:30]}"
+                here[key] = here.get(key, 0.0) + shared
+            i += 1
         for key, value in here.items():
             overlap[key] = overlap.get(key, 0.0) + value
         per_gap.append((gap, after, before, here))
