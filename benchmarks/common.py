@@ -121,16 +121,21 @@ def timed_torch_steps(step, steps: int, warmup: int) -> dict:
     }
 
 
-def run_children(script: str, names, args, describe) -> dict:
+def run_children(script: str, names, args, describe, timeout=None) -> dict:
     """Runs `script --child NAME ARGS...` for each name, one process each (clean
     allocator statistics), and collects the JSON each prints on a `RESULT` line.
-    `describe(result)` formats a line of progress."""
+    `describe(result)` formats a line of progress; `timeout` (seconds), if
+    given, stops a child that runs longer (its result is then the error)."""
     results = {}
     for name in names:
         started = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, script, "--child", name, *map(str, args)], capture_output=True, text=True
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, script, "--child", name, *map(str, args)], capture_output=True, text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            proc = subprocess.CompletedProcess([], 1, "", f"timed out after {timeout} s")
         line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode or not line:
             results[name] = {"error": (proc.stderr or proc.stdout)[-3000:]}

@@ -26,14 +26,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import add_xla_flags, gpu_name, timed_fit  # noqa: E402
+from benchmarks.common import add_xla_flags, child_result, gpu_name, run_children, timed_fit  # noqa: E402
 
 
 def _configs(model):
@@ -86,7 +85,7 @@ def run(name, args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("vit", "resnet50"), default="vit")
-    parser.add_argument("--only", action="append", required=True)
+    parser.add_argument("--only", action="append", help="a configuration (at least one)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--calls", type=int, default=5)
@@ -96,29 +95,22 @@ def main():
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run(args.child, args)), flush=True)
+        child_result(run(args.child, args))
         return
-    results = {}
-    for name in args.only:
-        command = [sys.executable, __file__, "--child", name, "--model", args.model, "--batch", str(args.batch),
-                   "--warmup", str(args.warmup), "--calls", str(args.calls), "--device", args.device,
-                   "--only", name]
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            results[name] = json.loads(lines[-1][7:]) if lines else {"error": (proc.stderr or proc.stdout)[-3000:]}
-        except subprocess.TimeoutExpired:
-            results[name] = {"error": f"timed out after {args.timeout} s"}
-        r = results[name]
-        if "error" in r:
-            print(f"{name:36} FAILED {r['error'][-600:]}", flush=True)
-        else:
-            print(f"{name:36} enqueue {r['median_enqueue_ms_per_step']:6.1f} ms/step, done "
-                  f"{r['median_done_ms_per_step']:6.1f} ms/step (warm-up {r['warm_img_per_s']:.0f} img/s)", flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"benchmark": f"host-lead-{args.model}", "gpu": gpu_name(), "batch": args.batch,
-                           "command": "python " + " ".join(sys.argv), "results": results}, f, indent=2)
+    if not args.only:
+        parser.error("name at least one configuration with --only")
+
+    def describe(r):
+        return (f"enqueue {r['median_enqueue_ms_per_step']:6.1f} ms/step, done "
+                f"{r['median_done_ms_per_step']:6.1f} ms/step (warm-up {r['warm_img_per_s']:.0f} img/s)")
+
+    results = run_children(__file__, args.only, ["--model", args.model, "--batch", args.batch, "--warmup",
+                                                 args.warmup, "--calls", args.calls, "--device", args.device],
+                           describe, timeout=args.timeout)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"benchmark": f"host-lead-{args.model}", "gpu": gpu_name(), "batch": args.batch,
+                       "command": "python " + " ".join(sys.argv), "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
