@@ -100,11 +100,18 @@ class CheckStore:
     def _save(self):
         if not self.path:
             return
-        partial = f"{self.path}.partial"
-        with open(partial, "w") as f:
-            json.dump({"kvram_checks": 1, "checks": self.checks, "started": self.started,
-                       "begun": self.begun, "finished": self.finished}, f, indent=1)
-        os.replace(partial, self.path)
+        _write_whole(self.path, json.dumps({"kvram_checks": 1, "checks": self.checks, "started": self.started,
+                                            "begun": self.begun, "finished": self.finished}, indent=1))
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Writes `text` to a temporary file, then renames it to `path`: a reader
+    sees the file whole or not at all (a process killed while writing leaves
+    the previous one)."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
 
 
 def visible_gpus() -> list:
@@ -284,10 +291,7 @@ def _estimate_then_measure(argv, command, path, run, own, estimate_file, started
 
 def tell(path: str, go: bool) -> None:
     """Tells the process waiting in `wait_to_go(path)` to go on, or to stop."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        f.write("go" if go else "stop")
-    os.replace(partial, path)
+    _write_whole(path, "go" if go else "stop")
 
 
 # The waiting process's id, for --measure's process (`wait_to_go`).

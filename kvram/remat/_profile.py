@@ -47,8 +47,9 @@ def _probe_step(model, parts, x, y, loss_fn, variables, device):
     """The training step of `parts` ((segment, its model) pairs) chained, with
     allocator probes at each cut (on each segment's main output).
 
-    Returns (a tf.function of (x, y), the dict its probes write into). It is traced once, for batches like `x` and `y` with
-    any number of rows: the probe batches share it. A probe is a
+    Returns (a tf.function of (x, y), the dict its probes write into). It is
+    traced once, for batches like `x` and `y` with any number of rows: the
+    probe batches share it. A probe is a
     `tf.py_function` ordered by control dependencies after the tensor it marks
     (forward: a segment's output; backward: the gradient reaching it); it
     records the allocator's current and peak bytes, then resets the peak, so
