@@ -242,7 +242,7 @@ def _profile(model, data, steps):
     import tensorflow as tf
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks", "profile"))
-    from kernels import breakdown, xspace_kernels
+    from kernels import breakdown, read_xspace, xspace_kernels
 
     model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)  # warm
     logdir = tempfile.mkdtemp(prefix="kvram-pipeline-profile-")
@@ -251,9 +251,10 @@ def _profile(model, data, steps):
         model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
         tf.profiler.experimental.stop()
         planes = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-        kernels = xspace_kernels(planes[0]) if planes else []
+        space = read_xspace(planes[0]) if planes else None
+        kernels = xspace_kernels(space) if planes else []
         try:
-            copies = _memcpy_by_op(planes[0], steps) if kernels else []
+            copies = _memcpy_by_op(space, steps) if kernels else []
         except Exception as error:  # the kernels are kept whatever this finds
             copies = f"{type(error).__name__}: {error}"
     finally:
@@ -272,16 +273,12 @@ def _profile(model, data, steps):
     return result
 
 
-def _memcpy_by_op(path, steps, top=20):
-    """The profile's memory copies grouped by TF op and direction: calls, MB and ms a
-    step, from each copy event's `memcpy_details` statistic (its size)."""
+def _memcpy_by_op(space, steps, top=20):
+    """The profile's memory copies (a parsed profile, `kernels.read_xspace`) grouped
+    by TF op and direction: calls, MB and ms a step, from each copy event's
+    `memcpy_details` statistic (its size)."""
     import re
 
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
     groups: dict = {}
     for plane in space.planes:
         if not plane.name.startswith("/device:GPU"):

@@ -228,8 +228,9 @@ def breakdown(kernels, steps: int) -> dict:
     }
 
 
-def _xspace(path: str):
-    """A TensorFlow profiler `*.xplane.pb` file, parsed."""
+def read_xspace(path: str):
+    """A TensorFlow profiler `*.xplane.pb` file, parsed (for `xspace_kernels`
+    and `xspace_host_events`: read it once for both)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
@@ -238,9 +239,8 @@ def _xspace(path: str):
     return space
 
 
-def xspace_kernels(path: str):
-    """Kernel and memcpy records from a TensorFlow profiler `*.xplane.pb` file."""
-    space = _xspace(path)
+def xspace_kernels(space):
+    """Kernel and memcpy records from a parsed TensorFlow profile (`read_xspace`)."""
     records = []
     for plane in space.planes:
         if not plane.name.startswith("/device:GPU"):
@@ -266,10 +266,9 @@ def xspace_kernels(path: str):
     return records
 
 
-def xspace_host_events(path: str, limit: int = 3_000_000):
+def xspace_host_events(space, limit: int = 3_000_000):
     """`(name, start_us, dur_us, thread)` of the host's traced events (TensorFlow
-    ops, XLA's runtime, tf.data) from a TensorFlow profiler `*.xplane.pb` file."""
-    space = _xspace(path)
+    ops, XLA's runtime, tf.data) from a parsed TensorFlow profile (`read_xspace`)."""
     records = []
     for plane in space.planes:
         if not plane.name.startswith("/host:"):

@@ -142,7 +142,8 @@ def run_tf(name, settings, args):
     import tensorflow as tf
 
     from kernels import (
-        breakdown, by_part, gaps, hlo_op_names, host_busy, host_during_gaps, xspace_host_events, xspace_kernels,
+        breakdown, by_part, gaps, hlo_op_names, host_busy, host_during_gaps, read_xspace, xspace_host_events,
+        xspace_kernels,
     )
 
     batch, device = settings.get("batch", args.batch), args.device
@@ -183,13 +184,14 @@ def run_tf(name, settings, args):
         model.fit(data, steps_per_epoch=profile_steps, epochs=1, verbose=0)
         tf.profiler.experimental.stop()
         planes = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-        kernels = xspace_kernels(planes[0]) if planes else []
+        space = read_xspace(planes[0]) if planes else None
+        kernels = xspace_kernels(space) if planes else []
         result["profile"] = breakdown(kernels, profile_steps) if kernels else {
             "kernels": 0, "note": f"no GPU kernels in the trace ({len(planes)} xplane files)"}
         if kernels:
             result["gaps"] = gaps(kernels, profile_steps)
             if args.host:
-                host_events = xspace_host_events(planes[0])
+                host_events = xspace_host_events(space)
                 result["host_during_gaps"] = host_during_gaps(kernels, host_events, profile_steps)
                 result["host_busy"] = host_busy(host_events, kernels, profile_steps)
         if kernels and args.model in _BY_PART:
