@@ -143,12 +143,13 @@ CONFIGS = {
     # as float32 in profile_vit_gaps_h200.json); the model's first layer computes in
     # bfloat16 under mixed_bfloat16 either way, so its values are the same
     "kvram_cudnn_lean_nockpt_bf16data": ("tf", dict(_CUDNN, checkpoint=False, lean=True, data_dtype="bfloat16")),
-    # no skip guard and no skip counting read (skip_nonfinite=False, max_consecutive_skips=None):
-    # the step has no XLA conditional, whose predicate XLA's GPU runtime copies to the host
-    # and waits for; the upper bound of what the guard's conditionals cost
     # Keras's own multi-step loop (its condition on the GPU, waited for once a step), against
     # kvram's loop on the host
     "kvram_cudnn_lean_nockpt_kerasloop": ("tf", dict(_CUDNN, checkpoint=False, lean=True, keras_loop=True)),
+    # no skip guard and no skip counting read (skip_nonfinite=False, max_consecutive_skips=None):
+    # the step has no XLA conditional, whose predicate XLA's GPU runtime copies to the host
+    # and waits for; the upper bound of what the guard's conditionals cost (and without
+    # batches prefetched to the GPU)
     "kvram_cudnn_lean_nockpt_unguarded": ("tf", dict(_CUDNN, checkpoint=False, lean=True, unguarded=True)),
     "kvram_cudnn_lean_nockpt_noprefetch_unguarded": (
         "tf", dict(_CUDNN, checkpoint=False, lean=True, prefetch=None, unguarded=True)
