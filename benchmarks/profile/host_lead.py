@@ -17,6 +17,12 @@ Where `enqueue` is close to `done` the host is the bottleneck or waits on the
 GPU inside the call; where it is well short, the GPU is, and the host's lead is
 their difference.
 
+With `--cuda-calls`, each child runs with `cuda_calls.c` (built here with gcc)
+preloaded: the CUDA driver calls TensorFlow and XLA made during the timed
+calls (synchronizations, copies, kernel and graph launches, graph updates),
+counted and timed a step, and the call stacks of the synchronizing calls
+during one more call.
+
     python benchmarks/profile/host_lead.py --only kvram_cudnn_lean_nockpt --only kvram_cudnn_lean_nockpt_unguarded
 """
 
@@ -26,7 +32,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,6 +70,8 @@ def run(name, args) -> dict:
         return {"error": "no kvram multi-step function (Keras's loop, or one step a call)", "settings": settings}
     iterator = iter(model._prefetched(data))
     spe = int(model.steps_per_execution)
+    counters = _CudaCalls() if args.cuda_calls else None
+    before = counters.snapshot() if counters else None
     enqueue, done = [], []
     for _ in range(args.calls):
         start = time.perf_counter()
@@ -71,7 +81,12 @@ def run(name, args) -> dict:
         finished = time.perf_counter()
         enqueue.append((returned - start) / spe * 1e3)
         done.append((finished - start) / spe * 1e3)
+    extra = {}
+    if counters:
+        extra["cuda_calls_per_step"] = counters.per_step(before, counters.snapshot(), args.calls * spe)
+        extra["sync_stacks"] = counters.stacks_of_syncs(lambda: float(multi(iterator).get_value()["loss"]))
     return {
+        **extra,
         "settings": settings,
         "steps_per_call": spe,
         "warm_img_per_s": args.batch * warm["steps"] / warm["seconds"],
@@ -80,6 +95,59 @@ def run(name, args) -> dict:
         "median_enqueue_ms_per_step": statistics.median(enqueue),
         "median_done_ms_per_step": statistics.median(done),
     }
+
+
+class _CudaCalls:
+    """The counters of `cuda_calls.c`, preloaded into this process."""
+
+    def __init__(self):
+        import ctypes
+
+        self.lib = ctypes.CDLL(None)
+        if not hasattr(self.lib, "cuda_calls_snapshot"):
+            raise SystemExit("--cuda-calls: cuda_calls.so is not preloaded (LD_PRELOAD)")
+        self.lib.cuda_calls_name.restype = ctypes.c_char_p
+        self.buffer = (ctypes.c_longlong * 256)()
+
+    def snapshot(self):
+        n = self.lib.cuda_calls_snapshot(self.buffer)
+        return {self.lib.cuda_calls_name(i).decode(): (self.buffer[i], self.buffer[n + i], self.lib.cuda_calls_seen(i))
+                for i in range(n)}
+
+    @staticmethod
+    def per_step(before, after, steps):
+        """{function: {"calls", "ms"} a step} for those called; `not_looked_up`: those
+        the process never asked dlsym for (called some other way, or never)."""
+        out = {name: {"calls": (after[name][0] - before[name][0]) / steps,
+                      "ms": (after[name][1] - before[name][1]) / steps / 1e6}
+               for name in after if after[name][0] > before[name][0]}
+        out["not_looked_up"] = sorted(name for name in after if not after[name][2])
+        return out
+
+    def stacks_of_syncs(self, call, n=12):
+        """The call stacks (`backtrace_symbols_fd`, on fd 2) of the first `n`
+        synchronizing driver calls during `call()`."""
+        with tempfile.TemporaryFile(mode="w+") as f:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            os.dup2(f.fileno(), 2)
+            try:
+                self.lib.cuda_calls_arm(n)
+                call()
+                self.lib.cuda_calls_arm(0)
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            f.seek(0)
+            return f.read()[-12000:]
+
+
+def _build_cuda_calls() -> str:
+    """Builds cuda_calls.so into a temporary folder; returns its path."""
+    path = os.path.join(tempfile.mkdtemp(prefix="cuda_calls"), "cuda_calls.so")
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", path, os.path.join(HERE, "cuda_calls.c"), "-ldl"],
+                   check=True)
+    return path
 
 
 def main():
@@ -91,6 +159,8 @@ def main():
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0: smoke test)")
     parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--cuda-calls", action="store_true",
+                        help="count and time the CUDA driver calls (cuda_calls.c, preloaded; needs gcc)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -104,9 +174,12 @@ def main():
         return (f"enqueue {r['median_enqueue_ms_per_step']:6.1f} ms/step, done "
                 f"{r['median_done_ms_per_step']:6.1f} ms/step (warm-up {r['warm_img_per_s']:.0f} img/s)")
 
-    results = run_children(__file__, args.only, ["--model", args.model, "--batch", args.batch, "--warmup",
-                                                 args.warmup, "--calls", args.calls, "--device", args.device],
-                           describe, timeout=args.timeout)
+    child_args = ["--model", args.model, "--batch", args.batch, "--warmup", args.warmup, "--calls", args.calls,
+                  "--device", args.device]
+    if args.cuda_calls:
+        os.environ["LD_PRELOAD"] = _build_cuda_calls()  # the children's, inherited
+        child_args.append("--cuda-calls")
+    results = run_children(__file__, args.only, child_args, describe, timeout=args.timeout)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"benchmark": f"host-lead-{args.model}", "gpu": gpu_name(), "batch": args.batch,
