@@ -49,7 +49,7 @@ static const char *NAMES[N_CALLS] = {
 };
 static void *REAL[N_CALLS];
 static volatile long long COUNT[N_CALLS], NS[N_CALLS];
-/* backtraces of the next `armed` synchronizing calls, written to stderr */
+/* backtraces of the next `armed` synchronizing calls and device-to-host copies, on stderr */
 static volatile int armed = 0;
 
 static long long now_ns(void) {
@@ -104,6 +104,7 @@ static CUresult w_htod(uint64_t dst, const void *src, size_t n) {
   TIMED(MEMCPY_HTOD, ((CUresult(*)(uint64_t, const void *, size_t))REAL[MEMCPY_HTOD])(dst, src, n));
 }
 static CUresult w_dtoh_async(void *dst, uint64_t src, size_t n, H s) {
+  trace(MEMCPY_DTOH_ASYNC);
   TIMED(MEMCPY_DTOH_ASYNC,
         ((CUresult(*)(void *, uint64_t, size_t, H))REAL[MEMCPY_DTOH_ASYNC])(dst, src, n, s));
 }

@@ -21,7 +21,8 @@ With `--cuda-calls`, each child runs with `cuda_calls.c` (built here with gcc)
 preloaded: the CUDA driver calls TensorFlow and XLA made during the timed
 calls (synchronizations, copies, kernel and graph launches, graph updates),
 counted and timed a step, and the call stacks of the synchronizing calls
-during one more call.
+and device-to-host copies during one more call. With `--transfers`, the
+tensors one more call's partitioned graphs send between devices.
 
     python benchmarks/profile/host_lead.py --only kvram_cudnn_lean_nockpt --only kvram_cudnn_lean_nockpt_unguarded
 """
@@ -85,6 +86,8 @@ def run(name, args) -> dict:
     if counters:
         extra["cuda_calls_per_step"] = counters.per_step(before, counters.snapshot(), args.calls * spe)
         extra["sync_stacks"] = counters.stacks_of_syncs(lambda: float(multi(iterator).get_value()["loss"]))
+    if args.transfers:
+        extra["transfers"] = _transfers(lambda: float(multi(iterator).get_value()["loss"]))
     return {
         **extra,
         "settings": settings,
@@ -142,6 +145,32 @@ class _CudaCalls:
             return f.read()[-12000:]
 
 
+def _transfers(call) -> list:
+    """The tensors TensorFlow's partitioned graphs of `call()` send between
+    devices (each `_Send`: what it sends, from where to where), from the call's
+    run metadata."""
+    from tensorflow.python.eager import context
+
+    context.enable_run_metadata()
+    try:
+        call()
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    sends = []
+    for function in metadata.function_graphs:
+        for partition in function.partition_graphs:
+            for node in partition.node:
+                if node.op in ("_Send", "_HostSend"):
+                    attr = node.attr
+                    sends.append({
+                        "op": node.op, "tensor": node.input[0] if node.input else "", "name": node.name,
+                        "from": attr["send_device"].s.decode(), "to": attr["recv_device"].s.decode(),
+                        "dtype": int(attr["T"].type),
+                    })
+    return sends
+
+
 def _build_cuda_calls() -> str:
     """Builds cuda_calls.so into a temporary folder; returns its path."""
     path = os.path.join(tempfile.mkdtemp(prefix="cuda_calls"), "cuda_calls.so")
@@ -161,6 +190,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=240)
     parser.add_argument("--cuda-calls", action="store_true",
                         help="count and time the CUDA driver calls (cuda_calls.c, preloaded; needs gcc)")
+    parser.add_argument("--transfers", action="store_true",
+                        help="list the tensors the call's partitioned graphs send between devices")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -176,6 +207,8 @@ def main():
 
     child_args = ["--model", args.model, "--batch", args.batch, "--warmup", args.warmup, "--calls", args.calls,
                   "--device", args.device]
+    if args.transfers:
+        child_args.append("--transfers")
     if args.cuda_calls:
         os.environ["LD_PRELOAD"] = _build_cuda_calls()  # the children's, inherited
         child_args.append("--cuda-calls")
