@@ -154,6 +154,12 @@ CONFIGS = {
     "kvram_cudnn_lean_nockpt_noprefetch_unguarded": (
         "tf", dict(_CUDNN, checkpoint=False, lean=True, prefetch=None, unguarded=True)
     ),
+    # labels as int64: TensorFlow keeps a GPU op's int32 tensors in host memory, so each
+    # int32 label batch prefetched to the GPU is copied back to the host, and that copy
+    # waits for every kernel queued before it (GPUUtil::CopyGPUTensorToCPU)
+    "kvram_cudnn_lean_nockpt_unguarded_int64labels": (
+        "tf", dict(_CUDNN, checkpoint=False, lean=True, unguarded=True, label_dtype="int64")
+    ),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),
@@ -207,6 +213,8 @@ def build_tf(settings, batch, device):
         if "data_dtype" in settings:  # the batch as copied to the GPU each step
             x = tf.cast(x, settings["data_dtype"])
         y = tf.random.uniform((batch,), maxval=1000, dtype=tf.int32)
+        if "label_dtype" in settings:
+            y = tf.cast(y, settings["label_dtype"])
     return model, tf.data.Dataset.from_tensors((x, y)).repeat()
 
 
