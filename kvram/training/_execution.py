@@ -101,9 +101,10 @@ def multi_step_function(model, step_function):
     copies (`benchmarks/profile/step.py --host`,
     `results/profile_vit_host_h200.json`). Pinned to the host, the loop's
     control needs nothing from the GPU: those copies and gaps are gone, and
-    ViT-B/16 trained 1.02x faster (`results/vit_hostloop_h200.json`). The host
-    still does not run ahead of the GPU by a step there
-    (`benchmarks/profile/host_lead.py`): something else waits, not found yet.
+    ViT-B/16 trained 1.02x faster (`results/vit_hostloop_h200.json`). Where
+    the step has no XLA conditional, the host then makes no synchronizing
+    CUDA call until the call's end (`benchmarks/profile/host_lead.py
+    --cuda-calls`, `results/cuda_calls_vit_h200.json`).
 
     Batches are taken as Keras takes them: the next one is fetched after each
     step except the execution's last, so no batch is drawn and dropped.
