@@ -1,4 +1,4 @@
-"""How far the host runs ahead of the GPU in kvram's multi-step loop, without
+"""What the host waits for in kvram's multi-step loop, and the loop's step time, without
 the profiler (TensorFlow's profiler turns XLA's CUDA command buffers off, so
 its host timeline is not the one training has).
 
@@ -8,23 +8,21 @@ For each configuration (of `benchmarks/vit/bench.py`, or `--model resnet50`'s
 (`kvram.training._execution.multi_step_function`, `steps_per_execution` steps
 a call) `--calls` times on the data path `fit` uses, timing
 
-- `enqueue`: from the call until it returns (the host has launched every step
-  of the call, or waited inside it: an XLA conditional's predicate is copied
-  to the host and waited for);
-- `done`: from the call until its loss has reached the host (the GPU finished).
+- `enqueue`: from the call until it returns;
+- `done`: from the call until its loss has reached the host.
 
-Where `enqueue` is close to `done` the host is the bottleneck or waits on the
-GPU inside the call; where it is well short, the GPU is, and the host's lead is
-their difference.
+The call returns only after one `cuStreamSynchronize` at its end (its
+outputs), so `enqueue` and `done` come out the same whether or not the host
+waited for the GPU inside the call: they give the step time of a steady
+multi-step call, not the host's lead. `--cuda-calls` shows the waits.
 
 With `--cuda-calls`, each child runs with `cuda_calls.c` (built here with gcc)
 preloaded: the CUDA driver calls TensorFlow and XLA made during the timed
 calls (synchronizations, copies, kernel and graph launches, graph updates),
 counted and timed a step, and the call stacks of the synchronizing calls
-and device-to-host copies during one more call. With `--transfers`, the
-tensors one more call's partitioned graphs send between devices.
+and device-to-host copies during one more call.
 
-    python benchmarks/profile/host_lead.py --only kvram_cudnn_lean_nockpt --only kvram_cudnn_lean_nockpt_unguarded
+    python benchmarks/profile/host_lead.py --cuda-calls --only kvram_cudnn_lean_nockpt --only kvram_cudnn_lean_nockpt_unguarded
 """
 
 from __future__ import annotations
@@ -86,8 +84,6 @@ def run(name, args) -> dict:
     if counters:
         extra["cuda_calls_per_step"] = counters.per_step(before, counters.snapshot(), args.calls * spe)
         extra["sync_stacks"] = counters.stacks_of_syncs(lambda: float(multi(iterator).get_value()["loss"]))
-    if args.transfers:
-        extra["transfers"] = _transfers(lambda: float(multi(iterator).get_value()["loss"]))
     return {
         **extra,
         "settings": settings,
@@ -145,32 +141,6 @@ class _CudaCalls:
             return f.read()[-12000:]
 
 
-def _transfers(call) -> list:
-    """The tensors TensorFlow's partitioned graphs of `call()` send between
-    devices (each `_Send`: what it sends, from where to where), from the call's
-    run metadata."""
-    from tensorflow.python.eager import context
-
-    context.enable_run_metadata()
-    try:
-        call()
-        metadata = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
-    sends = []
-    for function in metadata.function_graphs:
-        for partition in function.partition_graphs:
-            for node in partition.node:
-                if node.op in ("_Send", "_HostSend"):
-                    attr = node.attr
-                    sends.append({
-                        "op": node.op, "tensor": node.input[0] if node.input else "", "name": node.name,
-                        "from": attr["send_device"].s.decode(), "to": attr["recv_device"].s.decode(),
-                        "dtype": int(attr["T"].type),
-                    })
-    return sends
-
-
 def _build_cuda_calls() -> str:
     """Builds cuda_calls.so into a temporary folder; returns its path."""
     path = os.path.join(tempfile.mkdtemp(prefix="cuda_calls"), "cuda_calls.so")
@@ -190,8 +160,6 @@ def main():
     parser.add_argument("--timeout", type=float, default=240)
     parser.add_argument("--cuda-calls", action="store_true",
                         help="count and time the CUDA driver calls (cuda_calls.c, preloaded; needs gcc)")
-    parser.add_argument("--transfers", action="store_true",
-                        help="list the tensors the call's partitioned graphs send between devices")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -207,8 +175,6 @@ def main():
 
     child_args = ["--model", args.model, "--batch", args.batch, "--warmup", args.warmup, "--calls", args.calls,
                   "--device", args.device]
-    if args.transfers:
-        child_args.append("--transfers")
     if args.cuda_calls:
         os.environ["LD_PRELOAD"] = _build_cuda_calls()  # the children's, inherited
         child_args.append("--cuda-calls")
