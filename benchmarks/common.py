@@ -93,6 +93,49 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     }
 
 
+def timed_resident_steps(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
+    """`timed_fit`'s measurement with the batch kept on the device, as the PyTorch
+    configurations keep theirs: no copy from the host a step. After a warm-up
+    `fit` of `warmup` steps on `data` (which builds and compiles the model as
+    training does), its first batch is copied to `devices[0]` once and
+    `model.train_step` runs on it, XLA-compiled as `fit`'s step is,
+    `steps_per_execution` steps a call of a `tf.function` loop: the step itself
+    without `fit`'s data path, loop and callbacks.
+
+    Returns the same keys as `timed_fit`."""
+    import tensorflow as tf
+
+    spe = int(model.steps_per_execution or 1)
+    steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
+    timed_fit(model, data, warmup, warmup, devices)
+    with tf.device(devices[0]):
+        batch = tf.nest.map_structure(tf.identity, next(iter(data)))
+    step = tf.function(model.train_step, jit_compile=bool(model.jit_compile))
+
+    @tf.function
+    def execution():
+        logs = step(batch)
+        for _ in tf.range(spe - 1):
+            logs = step(batch)
+        return logs
+
+    for _ in range(warmup // spe):
+        float(execution()["loss"])
+    for device in devices:
+        tf.config.experimental.reset_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps // spe):
+        logs = execution()
+    loss = float(logs["loss"])  # waits for the last step
+    seconds = time.perf_counter() - start
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "loss": loss,
+        "peak_gib": {d: tf.config.experimental.get_memory_info(d)["peak"] / 2**30 for d in devices},
+    }
+
+
 def timed_torch_steps(step, steps: int, warmup: int) -> dict:
     """Runs `step()` (returns the loss tensor) `warmup` times, then `steps` timed
     times; returns seconds, the last loss, PyTorch's peak allocated GiB, and

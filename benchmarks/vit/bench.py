@@ -29,6 +29,12 @@ Configurations:
                    without checkpointing, with lean activations, with a
                    Checkpoint per block (full or save_dots). The other kvram
                    configurations keep the chunked attention they measured.
+    kvram_cudnn_lean_nockpt_resident  the lean step with its batch kept on
+                   the GPU (no copy a step, as the PyTorch configurations run):
+                   `model.train_step` XLA-compiled, 16 a call, not `fit`.
+    torch_fp16_compile_hostbatch  torch_fp16_compile copying its batch from
+                   pinned host memory each step (`.cuda(non_blocking=True)`), as
+                   a DataLoader with pin_memory=True feeds it.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
-    add_xla_flags, timed_fit, timed_torch_steps, training_main, use_keras_loop, versions,
+    add_xla_flags, timed_fit, timed_resident_steps, timed_torch_steps, training_main, use_keras_loop, versions,
 )
 
 # what every kvram_cudnn_* configuration shares
@@ -160,6 +166,12 @@ CONFIGS = {
     "kvram_cudnn_lean_nockpt_unguarded_int64labels": (
         "tf", dict(_CUDNN, checkpoint=False, lean=True, unguarded=True, label_dtype="int64")
     ),
+    # the same step with its batch kept on the GPU, as the PyTorch configurations keep theirs
+    # (`common.timed_resident_steps`: model.train_step XLA-compiled, 16 a call, no copy a step);
+    # and PyTorch copying its batch from pinned host memory each step, as a DataLoader with
+    # pin_memory=True and .cuda(non_blocking=True) does (without its worker processes)
+    "kvram_cudnn_lean_nockpt_resident": ("tf", dict(_CUDNN, checkpoint=False, lean=True, resident=True)),
+    "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
     "kvram_default": ("tf", dict(policy="auto", attention="efficient", checkpoint=False, default=True)),
@@ -223,7 +235,7 @@ def run_tf(settings, batch, steps, warmup, device):
     model, data = build_tf(settings, batch, device)
     import keras
 
-    timed = timed_fit(model, data, steps, warmup, [device])
+    timed = (timed_resident_steps if settings.get("resident") else timed_fit)(model, data, steps, warmup, [device])
     return {
         "versions": versions(),
         "settings": settings,
@@ -253,11 +265,17 @@ def torch_step(settings, batch):
     loss_fn = torch.nn.CrossEntropyLoss()
     x = torch.rand(batch, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (batch,), device="cuda")
+    if settings.get("host_batch"):  # copied to the GPU each step, from pinned memory
+        x_host, y_host = x.cpu().pin_memory(), y.cpu().pin_memory()
 
     def step():
+        if settings.get("host_batch"):
+            inputs, labels = x_host.cuda(non_blocking=True), y_host.cuda(non_blocking=True)
+        else:
+            inputs, labels = x, y
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=dtype):
-            loss = loss_fn(model(x).float(), y)
+            loss = loss_fn(model(inputs).float(), labels)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
