@@ -47,6 +47,34 @@ def whole_executions(steps: int, steps_per_execution: int) -> int:
     return -(-steps // steps_per_execution) * steps_per_execution
 
 
+def track_gpu_frees(interval: int = 1) -> None:
+    """Turns on TensorFlow's timestamped GPU allocator (`GPUOptions.Experimental.
+    timestamped_allocator`, with a kernel-tracking event every `interval` GPU
+    kernels, without which it does nothing). Call before TensorFlow's first
+    operation.
+
+    By default TensorFlow copies a tensor to the GPU only after every kernel
+    queued on the compute stream so far (`SameWorkerRecvDone`'s
+    `sync_dst_compute`: the copy's fresh buffer may be memory those kernels
+    still read). A batch prefetched to the GPU therefore waits for the steps
+    queued ahead of it, and the step that needs it waits for its copy. With
+    the timestamped allocator such a buffer is only memory known to be free, and
+    the copy does not wait (tensorflow/core/common_runtime/rendezvous_mgr.cc).
+    """
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    if ctx._initialized:
+        raise RuntimeError("track_gpu_frees() must run before TensorFlow's first operation")
+    config = config_pb2.ConfigProto()
+    if ctx._config is not None:
+        config.CopyFrom(ctx._config)
+    config.gpu_options.experimental.timestamped_allocator = True
+    config.gpu_options.experimental.kernel_tracker_max_interval = interval
+    ctx._config = config
+
+
 def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     """Runs `warmup` steps, then `steps` timed steps of `model.fit(data)`, both
     rounded up to whole executions of the model's `steps_per_execution`.

@@ -26,7 +26,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import add_xla_flags, timed_fit, timed_torch_steps, training_main, use_keras_loop  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_xla_flags, timed_fit, timed_torch_steps, track_gpu_frees, training_main, use_keras_loop,
+)
 
 # name: (framework, settings)
 CONFIGS = {
@@ -107,6 +109,12 @@ CONFIGS = {
         "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
                    xla_flags="--xla_gpu_enable_cublaslt=true", keras_loop=True)
     ),
+    # TensorFlow's timestamped GPU allocator: batches copied to the GPU without waiting for the
+    # steps queued ahead of them (common.track_gpu_frees)
+    "kvram_fp16_pin_spe16_cublaslt_tracked": (
+        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_cublaslt=true", track_frees=1)
+    ),
     "torch_fp16": ("torch", dict(segments=0)),
     "torch_fp16_ckpt4": ("torch", dict(segments=4)),
     "torch_fp16_ckpt4_inplace": ("torch", dict(segments=4, inplace=True)),
@@ -134,6 +142,8 @@ def build_tf(settings, batch, device, image_size=224):
 
     if settings.get("pin"):
         kvram.speed.pin_host_memory()  # before TF's first operation
+    if settings.get("track_frees"):
+        track_gpu_frees(settings["track_frees"])  # before TF's first operation too
     kvram.precision.enable(settings["policy"])
     shape = (image_size, image_size, 3)
     with tf.device(device):

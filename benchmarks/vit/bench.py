@@ -46,7 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
-    add_xla_flags, timed_fit, timed_resident_steps, timed_torch_steps, training_main, use_keras_loop, versions,
+    add_xla_flags, timed_fit, timed_resident_steps, timed_torch_steps, track_gpu_frees, training_main, use_keras_loop,
+    versions,
 )
 
 # what every kvram_cudnn_* configuration shares
@@ -170,6 +171,12 @@ CONFIGS = {
     # (`common.timed_resident_steps`: model.train_step XLA-compiled, 16 a call, no copy a step);
     # and PyTorch copying its batch from pinned host memory each step, as a DataLoader with
     # pin_memory=True and .cuda(non_blocking=True) does (without its worker processes)
+    # TensorFlow's timestamped GPU allocator: batches copied to the GPU without waiting for the
+    # steps queued ahead of them (common.track_gpu_frees)
+    "kvram_cudnn_lean_nockpt_tracked": ("tf", dict(_CUDNN, checkpoint=False, lean=True, track_frees=1)),
+    "kvram_cudnn_lean_nockpt_noprefetch_tracked": (
+        "tf", dict(_CUDNN, checkpoint=False, lean=True, prefetch=None, track_frees=1)
+    ),
     "kvram_cudnn_lean_nockpt_resident": ("tf", dict(_CUDNN, checkpoint=False, lean=True, resident=True)),
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
@@ -194,6 +201,8 @@ def build_tf(settings, batch, device):
 
     if settings.get("pin"):
         kvram.speed.pin_host_memory()  # before TF's first operation
+    if settings.get("track_frees"):
+        track_gpu_frees(settings["track_frees"])  # before TF's first operation too
     kvram.precision.enable(settings["policy"])
     with tf.device(device):
         model = vit_b16(
