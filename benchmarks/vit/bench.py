@@ -46,8 +46,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
-    add_xla_flags, timed_fit, timed_resident_steps, timed_torch_steps, track_gpu_frees, training_main, use_keras_loop,
-    versions,
+    add_xla_flags, timed_fit, timed_resident_steps, timed_torch_steps, track_gpu_frees, training_main,
+    use_keras_loop, versions,
 )
 
 # what every kvram_cudnn_* configuration shares
@@ -163,20 +163,21 @@ CONFIGS = {
     ),
     # labels as int64: TensorFlow keeps a GPU op's int32 tensors in host memory, so each
     # int32 label batch prefetched to the GPU is copied back to the host, and that copy
-    # waits for every kernel queued before it (GPUUtil::CopyGPUTensorToCPU)
+    # waits for every kernel queued before it (GPUUtil::CopyGPUTensorToCPU); without it the
+    # step measured no faster (results/cuda_calls_vit_h200.json, runs[3])
     "kvram_cudnn_lean_nockpt_unguarded_int64labels": (
         "tf", dict(_CUDNN, checkpoint=False, lean=True, unguarded=True, label_dtype="int64")
     ),
-    # the same step with its batch kept on the GPU, as the PyTorch configurations keep theirs
-    # (`common.timed_resident_steps`: model.train_step XLA-compiled, 16 a call, no copy a step);
-    # and PyTorch copying its batch from pinned host memory each step, as a DataLoader with
-    # pin_memory=True and .cuda(non_blocking=True) does (without its worker processes)
     # TensorFlow's timestamped GPU allocator: batches copied to the GPU without waiting for the
     # steps queued ahead of them (common.track_gpu_frees)
     "kvram_cudnn_lean_nockpt_tracked": ("tf", dict(_CUDNN, checkpoint=False, lean=True, track_frees=1)),
     "kvram_cudnn_lean_nockpt_noprefetch_tracked": (
         "tf", dict(_CUDNN, checkpoint=False, lean=True, prefetch=None, track_frees=1)
     ),
+    # the same step with its batch kept on the GPU, as the PyTorch configurations keep theirs
+    # (`common.timed_resident_steps`: model.train_step XLA-compiled, 16 a call, no copy a step);
+    # and PyTorch copying its batch from pinned host memory each step, as a DataLoader with
+    # pin_memory=True and .cuda(non_blocking=True) does (without its worker processes)
     "kvram_cudnn_lean_nockpt_resident": ("tf", dict(_CUDNN, checkpoint=False, lean=True, resident=True)),
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
