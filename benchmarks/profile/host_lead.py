@@ -22,7 +22,8 @@ calls (synchronizations, copies, kernel and graph launches, graph updates),
 counted and timed a step, and the call stacks of the synchronizing calls
 and device-to-host copies during one more call.
 
-    python benchmarks/profile/host_lead.py --cuda-calls --only kvram_cudnn_lean_nockpt --only kvram_cudnn_lean_nockpt_unguarded
+    python benchmarks/profile/host_lead.py --cuda-calls \
+        --only kvram_cudnn_lean_nockpt --only kvram_cudnn_lean_nockpt_unguarded
 """
 
 from __future__ import annotations
