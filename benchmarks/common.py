@@ -61,18 +61,13 @@ def track_gpu_frees(interval: int = 1) -> None:
     the timestamped allocator such a buffer is only memory known to be free, and
     the copy does not wait (tensorflow/core/common_runtime/rendezvous_mgr.cc).
     """
-    from tensorflow.core.protobuf import config_pb2
-    from tensorflow.python.eager import context
+    from kvram.speed import _configure_runtime
 
-    ctx = context.context()
-    if ctx._initialized:
-        raise RuntimeError("track_gpu_frees() must run before TensorFlow's first operation")
-    config = config_pb2.ConfigProto()
-    if ctx._config is not None:
-        config.CopyFrom(ctx._config)
-    config.gpu_options.experimental.timestamped_allocator = True
-    config.gpu_options.experimental.kernel_tracker_max_interval = interval
-    ctx._config = config
+    def track(config):
+        config.gpu_options.experimental.timestamped_allocator = True
+        config.gpu_options.experimental.kernel_tracker_max_interval = interval
+
+    _configure_runtime(track, "track_gpu_frees() must run before TensorFlow's first operation")
 
 
 def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:

@@ -44,22 +44,34 @@ def pin_host_memory() -> None:
         RuntimeError: TensorFlow's runtime has already started without it (the
             message says what to move).
     """
+    if host_memory_pinned():
+        return
+
+    def pin(config):
+        config.gpu_options.force_gpu_compatible = True
+
+    _configure_runtime(
+        pin,
+        "kvram.speed.pin_host_memory() must run before TensorFlow's first operation: "
+        "the runtime has already started with pageable host memory (force_gpu_compatible="
+        "False). Call it right after the imports, before building a model or a dataset.",
+    )
+
+
+def _configure_runtime(change, too_late: str) -> None:
+    """Applies `change(config)` to the `ConfigProto` TensorFlow's runtime will
+    start with (TF 2 has no public call for most of its options), keeping what
+    was set before. Raises RuntimeError(`too_late`) once the runtime has started."""
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.eager import context
 
-    if host_memory_pinned():
-        return
     ctx = context.context()
     if ctx._initialized:
-        raise RuntimeError(
-            "kvram.speed.pin_host_memory() must run before TensorFlow's first operation: "
-            "the runtime has already started with pageable host memory (force_gpu_compatible="
-            "False). Call it right after the imports, before building a model or a dataset."
-        )
+        raise RuntimeError(too_late)
     config = config_pb2.ConfigProto()
     if ctx._config is not None:
         config.CopyFrom(ctx._config)
-    config.gpu_options.force_gpu_compatible = True
+    change(config)
     ctx._config = config
 
 
