@@ -5,6 +5,8 @@
 #      full Checkpoint per block, with save_dots per block, PyTorch eager
 #   B  the buffers live at the peak of kvram's compiled ViT step without
 #      checkpointing; ResNet50 batch 256 against torch.compile
+#   C  the buffers live at the peak of the ViT configuration named third (for example
+#      kvram_cudnn_ckpt: what a full Checkpoint per block still holds)
 #   D  ViT-B/16 with keras.layers.MultiHeadAttention in kvram's model
 #   E  ViT-B/16 with kvram.speed.lean_activations
 #   G  the README's usage (kvram's defaults: import kvram's pinning, steps_per_execution
@@ -31,6 +33,11 @@ B) rm -rf /tmp/dump
    for c in torch_fp16_compile kvram_fp16_pin_spe16; do
      timeout 150 python benchmarks/resnet50/bench.py --only "$c" --out "$out/resnet50_$c.json"
    done
+   ;;
+C) rm -rf /tmp/dump
+   XLA_FLAGS="$XLA_FLAGS --xla_dump_to=/tmp/dump --xla_dump_hlo_as_text" timeout 300 \
+     python benchmarks/vit/bench.py --only "$3" --steps 16 --warmup 16 --out "$out/vit_dumped_$3.json"
+   python benchmarks/profile/xla_buffers.py /tmp/dump --out "$out/vit_buffers_$3.json" | head -40
    ;;
 D) vit kvram_mha_nockpt_pin_spe16 kvram_mha_dots_pin_spe16 ;;
 E) vit kvram_lean_nockpt_pin_spe16 kvram_lean_dots_pin_spe16 ;;

@@ -5,6 +5,7 @@
 # JSON report and a summary of wall times under $OUT. Run after TensorFlow is staged
 # (../shared/gpu/README.md):
 #   bash benchmarks/plan/minute.sh resnet50 vit_b16 convnext_small [--measure]
+#   TAG=parallel XLA_FLAGS=... bash benchmarks/plan/minute.sh resnet50   # files named *_parallel
 set -u
 source /tmp/tf-env.sh || exit 1
 # as a user runs it: tf-env.sh sets TF_CPP_MIN_LOG_LEVEL, which kvram leaves to the user (kvram/_quiet.py)
@@ -23,7 +24,7 @@ for name in "${names[@]}"; do
     convnext_small) args=(--model ConvNeXtSmall --input-shape 224,224,3 --batch-size 128 --gpu-memory 12GB) ;;
     *) echo "unknown model $name (resnet50, vit_b16, convnext_small)"; exit 2 ;;
   esac
-  tag=$name${extra[*]:+_measure}
+  tag=$name${extra[*]:+_measure}${TAG:+_$TAG}  # TAG: a label for runs under other XLA_FLAGS
   command=(python3 -m kvram plan "${args[@]}" --classes 1000 --limit-gpu "${extra[@]}" --json "$out/plan_$tag.json")
   start=$(date +%s.%N)
   timeout -k 10 "${TIMEOUT:-280}" "${command[@]}" > "$out/plan_$tag.out" 2> "$out/plan_$tag.err"
