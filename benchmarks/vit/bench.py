@@ -31,7 +31,8 @@ Configurations:
                    configurations keep the chunked attention they measured.
     kvram_cudnn_lean_nockpt_resident  the lean step with its batch kept on
                    the GPU (no copy a step, as the PyTorch configurations run):
-                   `model.train_step` XLA-compiled, 16 a call, not `fit`.
+                   `model.train_step` XLA-compiled, 16 a call, not `fit`;
+                   `_resident_unguarded` the same without the guard.
     torch_fp16_compile_hostbatch  torch_fp16_compile copying its batch from
                    pinned host memory each step (`.cuda(non_blocking=True)`), as
                    a DataLoader with pin_memory=True feeds it.
@@ -179,6 +180,10 @@ CONFIGS = {
     # and PyTorch copying its batch from pinned host memory each step, as a DataLoader with
     # pin_memory=True and .cuda(non_blocking=True) does (without its worker processes)
     "kvram_cudnn_lean_nockpt_resident": ("tf", dict(_CUDNN, checkpoint=False, lean=True, resident=True)),
+    # the same without the guard's XLA conditional (whose predicate the host waits for every step)
+    "kvram_cudnn_lean_nockpt_resident_unguarded": (
+        "tf", dict(_CUDNN, checkpoint=False, lean=True, resident=True, unguarded=True)
+    ),
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
