@@ -847,6 +847,23 @@ def test_plans_count_the_batches_kvram_model_prefetches_to_a_gpu(device, copies)
     assert copies == 1 or copies == 1 + default
 
 
+def test_resident_bytes_are_the_variables_the_optimizer_state_and_the_batches():
+    import keras
+
+    from kvram.remat import _plan
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(inputs))  # 12 + 4 float32: 64 bytes
+    assert _plan.resident_bytes(model, None, 100, "CPU:0") == 64 + 100
+    assert _plan.resident_bytes(model, None, 100, "GPU:0") == 64 + 3 * 100  # the step's and 2 prefetched
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    moments = 2 * 64  # Adam's first and second moments, one of each per weight
+    with_adam = _plan.resident_bytes(model, optimizer, 0, "CPU:0") - 64
+    assert moments <= with_adam <= moments + 16  # and its step counter and learning rate
+    assert _plan.resident_bytes(model, "adam", 0, "CPU:0") - 64 == with_adam  # an unbuilt one is counted built
+
+
 def test_plan_shows_its_stages_on_stderr_unless_verbose_is_0(capsys):
     x = np.random.default_rng(0).random((8, 32, 32, 3)).astype("float32")
     batch = (x, np.arange(8) % 10)

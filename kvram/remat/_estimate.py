@@ -369,17 +369,16 @@ def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows,
         lambda message, p=precision: log(f"{p}: {message}"),
         store, (precision, model.name, shape, [s.layers[-1] for s in chain], loss),
     )
-    weights = _nbytes(model.variables)
-    state = _plan._optimizer_bytes(model, optimizer)
     sample = int(np.prod(shape)) * 4 + 8  # float32 input and an int64 label per row
-    batches = _plan.batch_copies(memory._device_name(None))  # the step's, and those prefetched
+    # the whole batch, and on a GPU those prefetched, whatever the micro-batches
+    fixed = _plan.resident_bytes(model, optimizer, sample * batch_size, memory._device_name(None))
     configurations = []
     for micro in [None] + list(micro_batch_sizes):
         rows = micro or batch_size
         profile = _scaled(*profiles, low_rows, high_rows, rows)
         # Micro-batches accumulate gradients in float32 beside the slice's own.
         accumulators = _nbytes(model.trainable_variables) if micro else 0
-        resident = weights + state + sample * batch_size * batches + accumulators
+        resident = fixed + accumulators
         base = _plan._plan_for(model, chain, profile, resident, None, rows)
         # A "fit" row wherever the plain step is predicted over the
         # limit, also where the least-memory one is: the checks search

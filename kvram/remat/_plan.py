@@ -249,12 +249,8 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
     device = memory._device_name(None)
     loss_fn = _loss_function(model, loss)
     jit = _uses_xla(model, jit_compile, device)
-    resident = (
-        sum(_nbytes(v) for v in model.variables)
-        + _optimizer_bytes(model, optimizer)
-        + batch_copies(device)
-        * sum(int(np.prod(t.shape)) * t.dtype.size for t in tree.flatten((x, y)) if t is not None)
-    )
+    batch = sum(int(np.prod(t.shape)) * t.dtype.size for t in tree.flatten((x, y)) if t is not None)
+    resident = resident_bytes(model, optimizer, batch, device)
     if budget_bytes is not None and budget_bytes < resident:
         # no step fits beside what stays on the device: said before any step is measured
         raise ValueError(
@@ -276,6 +272,15 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
     log(f"done: {len(chosen.runs)} recomputed run(s), predicted peak {_mib(chosen.predicted_peak_bytes)} MiB "
         f"(plain {_mib(chosen.plain_peak_bytes)} MiB)")
     return chosen
+
+
+def resident_bytes(model, optimizer, batch_bytes: int, device: str) -> int:
+    """What stays on `device` beside a training step: the model's variables,
+    the optimizer's state (`optimizer`, else the model's; none if neither),
+    and a batch of `batch_bytes` times `batch_copies(device)`."""
+    return sum(_nbytes(v) for v in model.variables) + _optimizer_bytes(model, optimizer) + (
+        batch_copies(device) * batch_bytes
+    )
 
 
 def batch_copies(device: str) -> int:
