@@ -221,10 +221,6 @@ def _scaled(low, high, rows_low, rows_high, rows):
     return dataclasses.replace(low, **fields)
 
 
-def _nbytes(variables) -> int:
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
-
-
 def estimate(
     build,
     batch_size: int,
@@ -377,7 +373,7 @@ def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows,
         rows = micro or batch_size
         profile = _scaled(*profiles, low_rows, high_rows, rows)
         # Micro-batches accumulate gradients in float32 beside the slice's own.
-        accumulators = _nbytes(model.trainable_variables) if micro else 0
+        accumulators = sum(_plan._nbytes(v) for v in model.trainable_variables) if micro else 0
         resident = fixed + accumulators
         base = _plan._plan_for(model, chain, profile, resident, None, rows)
         # A "fit" row wherever the plain step is predicted over the
