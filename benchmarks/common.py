@@ -130,7 +130,7 @@ def timed_resident_steps(model, data, steps: int, warmup: int, devices=("GPU:0",
 
     spe = int(model.steps_per_execution or 1)
     steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
-    timed_fit(model, data, warmup, warmup, devices)
+    model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0)  # builds and compiles as training does
     with tf.device(devices[0]):
         batch = tf.nest.map_structure(tf.identity, next(iter(data)))
     step = tf.function(model.train_step, jit_compile=bool(model.jit_compile))
