@@ -313,9 +313,20 @@ def _flip_a_byte(path, offset_from_end=1000):
         handle.write(bytes([byte[0] ^ 0x40]))
 
 
+def _without_chunk_digests(directory):
+    """The index as kvram wrote it before chunk digests: each file is checked whole."""
+    index = _index(directory)
+    for shard in index["shards"]:
+        for info in shard["files"].values():
+            del info["chunks"]
+    _save_index(directory, index)
+
+
 @pytest.mark.parametrize("threads", [0, 2])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_a_flipped_byte_is_an_error_before_any_of_its_samples_is_read(shards, threads, shuffle):
+    """Indexes without chunk digests: the whole file is checked before its first read."""
+    _without_chunk_digests(shards.directory)
     path = os.path.join(shards.directory, "x-00002.npy")  # samples 600 to 899
     _flip_a_byte(path)
     kvram.data._verify.forget_checked()
@@ -361,6 +372,9 @@ def test_the_opt_out_reads_the_bytes_as_they_are(shards):
 
 
 def test_each_file_is_hashed_once_per_process(shards, monkeypatch):
+    """Indexes without chunk digests (for those with them, see
+    test_each_chunk_is_hashed_once_as_it_is_read_and_no_file_whole)."""
+    _without_chunk_digests(shards.directory)
     kvram.data._verify.forget_checked()
     calls = []
     real = kvram.data._verify.xxh3_128
@@ -376,6 +390,93 @@ def test_each_file_is_hashed_once_per_process(shards, monkeypatch):
     calls.clear()
     ShardedDataset(shards.directory).read(0, 1)
     assert calls == [files[0]]
+
+
+WIDE_ROW = 16384  # float32: 64 KiB a row, so 4 rows a chunk (256 KiB)
+
+
+@pytest.fixture
+def wide(tmp_path):
+    """64 rows of 64 KiB in shards of 32: 8 chunk digests a file. Each row is its id."""
+    x = np.repeat(np.arange(64, dtype="float32")[:, None], WIDE_ROW, axis=1)
+    return write_shards({"x": x}, tmp_path / "wide", samples_per_shard=32, verbose=0)
+
+
+def test_index_holds_chunk_digests_of_whole_rows(wide):
+    import base64
+
+    import xxhash
+
+    assert kvram.data._verify.chunk_rows(WIDE_ROW * 4) == 4
+    assert kvram.data._verify.chunk_rows(24) == 8192 and kvram.data._verify.chunk_rows(300 * 2**10) == 1
+    entry = _index(wide.directory)["shards"][1]["files"]["x"]
+    data = open(os.path.join(wide.directory, entry["name"]), "rb").read()
+    payload = data[len(data) - 32 * WIDE_ROW * 4:]
+    step = 4 * WIDE_ROW * 4
+    expected = [xxhash.xxh3_64_intdigest(payload[i:i + step]) for i in range(0, len(payload), step)]
+    assert entry["chunks"]["rows"] == 4 and len(expected) == 8
+    assert np.frombuffer(base64.b64decode(entry["chunks"]["xxh3_64"]), "<u8").tolist() == expected
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_flipped_byte_fails_its_chunk_before_any_of_its_rows_is_read(wide, shuffle):
+    path = os.path.join(wide.directory, "x-00001.npy")
+    _flip_a_byte(path, offset_from_end=(32 - 13) * WIDE_ROW * 4 - 8)  # row 13 of shard 1: sample 45
+    kvram.data._verify.forget_checked()
+    dataset = ShardedDataset(wide.directory)
+    seen = []
+    with pytest.raises(Exception, match="checksum mismatch") as error:
+        for x in dataset.to_tf_dataset(4, shuffle=shuffle, seed=3, block_size=4):
+            seen.extend(x.numpy()[:, 0].astype(int).tolist())
+    text = str(error.value)
+    assert "ShardError" in text and path in text, text
+    assert "checksum mismatch: XXH3-64 " in text and "of its rows 12 to 15 " in text, text
+    assert "Samples 44 to 47 (shard 1)" in text, text
+    assert not any(44 <= i < 48 for i in seen), "a row of the corrupt chunk was handed out"
+    if not shuffle:
+        assert seen == list(range(44)), "the chunks before it were read, each once"
+    # Every read after the first error fails too, also of intact shards.
+    with pytest.raises(ShardError, match="checksum mismatch") as again:
+        dataset.read(0, 1)
+    assert again.value.path == path
+
+
+def test_each_chunk_is_hashed_once_as_it_is_read_and_no_file_whole(wide, monkeypatch):
+    import xxhash
+
+    kvram.data._verify.forget_checked()
+    chunks, wholes = [], []
+    real = xxhash.xxh3_64_intdigest
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: chunks.append(len(data)) or real(data))
+    monkeypatch.setattr(kvram.data._verify, "xxh3_128", lambda path, *a: wholes.append(path))
+    dataset = ShardedDataset(wide.directory)
+    for _ in range(2):  # batches of 7 rows: most chunks are read in two parts, by two batches
+        x = np.concatenate([b.numpy() for b in dataset.to_tf_dataset(7, shuffle=True, seed=0, block_size=3)])
+        assert sorted(x[:, 0].astype(int).tolist()) == list(range(64))
+        assert chunks == [4 * WIDE_ROW * 4] * 16, "each of the 16 chunks once, in the first epoch only"
+    assert wholes == []
+    list(ShardedDataset(wide.directory).to_tf_dataset(8, shuffle=False))  # a second dataset on the same files
+    assert len(chunks) == 16
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("batch,block", [(7, 3), (3, None), (64, 5), (1, None)])
+def test_reads_across_chunk_borders_are_bit_identical(wide, shuffle, batch, block):
+    kvram.data._verify.forget_checked()
+    dataset = ShardedDataset(wide.directory).to_tf_dataset(batch, shuffle=shuffle, seed=2, block_size=block)
+    x = np.concatenate([b.numpy() for b in dataset])
+    ids = x[:, 0].astype(int)
+    assert sorted(ids.tolist()) == list(range(64))
+    np.testing.assert_array_equal(x, np.repeat(ids[:, None].astype("float32"), WIDE_ROW, axis=1))
+
+
+@pytest.mark.parametrize("chunks", [{"rows": 0, "xxh3_64": ""}, {"rows": 4, "xxh3_64": "AAAA"}, {"rows": 4}, "x"])
+def test_malformed_chunk_digests_are_an_error_at_open(wide, chunks):
+    index = _index(wide.directory)
+    index["shards"][1]["files"]["x"]["chunks"] = chunks
+    _save_index(wide.directory, index)
+    with pytest.raises(ShardError, match=r"shard 1, field 'x': 'chunks' must be"):
+        ShardedDataset(wide.directory)
 
 
 def test_index_holds_both_digests_and_old_indexes_are_checked_by_sha256(shards, monkeypatch):

@@ -77,7 +77,7 @@ def io(args):
 
     directory = args.dir or os.path.join(tempfile.gettempdir(), "kvram-io-bench")
     index = os.path.join(directory, "index.json")
-    if not os.path.exists(index) or '"sha256": null' in open(index).read():
+    if not os.path.exists(index) or '"sha256": null' in open(index).read() or '"chunks"' not in open(index).read():
         make_shards(directory, args.gib, args.row_kib)
     data = ShardedDataset(directory, verify_on_read=False)
     nbytes, batch = data.nbytes, args.batch

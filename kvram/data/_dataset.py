@@ -26,24 +26,29 @@ class ShardedDataset:
     as the index says, C order, and its size on disk (a truncated file fails
     here, not in the middle of an epoch). Errors are `ShardError`s naming the file.
 
-    Reading checks each shard's files against the checksum stored in the index
-    (XXH3-128, or SHA-256 for directories written without it) the first time
-    this process reads that shard (`verify_on_read=True`), so a
-    flipped byte is an error naming the file and its samples, never data
-    trained on. Background threads check the shards the reader needs next, a
-    few ahead of it, while it reads; a shard is never handed out before its
-    check has passed. Each file is hashed once per process (again only if it
-    changed on disk); later epochs cost nothing. Measured cost:
-    `benchmarks/README.md` (data). Files written with `checksum=False` have
-    no checksum to compare and are read unchecked (a warning says so).
+    Reading checks the bytes against the checksums stored in the index the
+    first time this process reads them (`verify_on_read=True`), so a flipped
+    byte is an error naming the file and its samples, never data trained on.
+    `to_tf_dataset` (its default `read="pread"`) checks each chunk of rows
+    (up to 256 KiB, XXH3-64) as it reads it, while the bytes are in the CPU's
+    cache, and hands out no row of a chunk before its check has passed.
+    Memory-mapped reads (`read="memmap"`, `"view"`, `read()`), and
+    directories written before chunk digests, check whole files (XXH3-128,
+    or SHA-256 for directories written without it) on background threads a
+    few shards ahead of the reader. Each chunk or file is hashed once per
+    process (again only if it changed on disk); later epochs cost nothing.
+    Measured cost: `benchmarks/README.md` (data). Files written with
+    `checksum=False` have no checksum to compare and are read unchecked (a
+    warning says so).
 
     Args:
         directory: the shard directory.
         verify_on_read: bool, check checksums on first read (default). False
             is the explicit opt-out: bytes are read as they are on disk.
         verify_threads: None (up to 4, half the CPU cores) or int >= 0, the
-            background threads checking shards ahead of the reader (0: each
-            shard is checked by the read that first needs it).
+            background threads checking whole files ahead of the reader, where
+            whole files are checked (see above; 0: each shard is checked by
+            the read that first needs it).
 
     Raises:
         ShardError: at open time, for an index or file that does not match.
@@ -79,6 +84,7 @@ class ShardedDataset:
         self.fields = _shard.check_index(index, index_path)
         self._shards = _shard.check_shards(self.directory, self.fields, index, index_path)
         self._starts = np.array([s.start for s in self._shards] + [len(self)], dtype=np.int64)
+        self._chunked = all(len(s.chunks) == len(s.paths) for s in self._shards)
         self._verifier = None
         if self.verify_on_read:
             unchecked = sum(
@@ -306,7 +312,8 @@ class ShardedDataset:
                 if views is not None:
                     return views
             outs = {n: buffers.take((stop - start,) + self.fields[n][1], self.fields[n][0]) for n in names}
-            if self._verifier is not None:
+            if self._verifier is not None and (read == "memmap" or not self._chunked):
+                # Files with chunk digests are checked as they are read (Shard.read_into).
                 self._start_verification(plan(int(epoch_seed))[0][:, 0] if shuffle else None)
             if not shuffle:
                 self._read_into(start, stop, outs, 0)

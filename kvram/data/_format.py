@@ -7,9 +7,13 @@ Format (a directory):
 - `index.json`: `{"format": "kvram-shards", "version": 1, "samples": N,
   "fields": {name: {"dtype": "<f4", "shape": [...per-sample...]}},
   "shards": [{"samples": n, "files": {name: {"name": ..., "bytes": ...,
-  "sha256": ... or null, "xxh3_128": ... (optional)}}}]}`. The SHA-256 is for
-  `verify()` (a full, cryptographic check); the XXH3-128 for the check on first
-  read, which it makes cheap.
+  "sha256": ... or null, "xxh3_128": ... (optional), "chunks": {"rows": R,
+  "xxh3_64": base64 of one little-endian uint64 per R rows of the payload}
+  (optional)}}}]}`. The SHA-256 is for `verify()` (a full, cryptographic
+  check); the chunks' XXH3-64 for the check of each read as it reads
+  (`_verify.ChunkCheck`), the XXH3-128 for the check of memory-mapped reads
+  and where an index has no chunks. Readers of version 1 ignore keys they do
+  not know, so directories with chunks still open in kvram before them.
 
 No pickle anywhere (`allow_pickle=False`); file names in the index are plain
 names inside the directory.

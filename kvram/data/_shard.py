@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -12,6 +13,26 @@ import tensorflow as tf
 
 from kvram.data import _verify
 from kvram.data._format import FORMAT, VERSION, ShardError, _dtype_str
+
+
+def _chunk_check(info: dict, path: str, offset: int, row_bytes: int, samples: int, index_path: str, where: str):
+    """The file's `ChunkCheck` when the index has chunk digests for it and
+    `xxhash` is installed, else None (its whole file is checked instead)."""
+    chunks = info.get("chunks")
+    if chunks is None or not _verify.have_xxhash() or row_bytes <= 0:
+        return None
+    try:
+        rows, encoded = int(chunks["rows"]), chunks["xxh3_64"]
+        valid = rows >= 1 and isinstance(encoded, str) and len(encoded) == 4 * math.ceil(8 * math.ceil(samples / rows) / 3)
+    except (KeyError, TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise ShardError(
+            index_path,
+            f"{where}: 'chunks' must be {{\"rows\": rows per chunk >= 1, \"xxh3_64\": base64 of "
+            f"one little-endian uint64 per chunk of its {samples} rows}}. Received: {str(chunks)[:200]}",
+        )
+    return _verify.ChunkCheck(path, offset, row_bytes, samples, rows, encoded)
 
 
 def _read_digest(info: dict) -> tuple:
@@ -69,10 +90,12 @@ class BufferPool:
 
 
 class Shard:
-    def __init__(self, number: int, start: int, samples: int, paths: dict, digests: dict, offsets: dict | None = None):
+    def __init__(self, number: int, start: int, samples: int, paths: dict, digests: dict, offsets: dict | None = None,
+                 chunks: dict | None = None):
         self.number, self.start, self.samples, self.paths = number, start, samples, paths
         self.offsets = offsets or {}  # {field: byte offset of the payload (after the .npy header)}
         self.files = [(paths[name], digests[name]) for name in paths]
+        self.chunks = chunks or {}  # {field: _verify.ChunkCheck}, for the fields whose index has chunk digests
         self.verifier: _verify.ShardVerifier | None = None
         self._arrays: dict | None = None
         self._handles: dict = {}
@@ -90,9 +113,15 @@ class Shard:
         """Fills `out` (C-contiguous, len(out) rows) with this shard's rows
         `first`... of field `name`, by `os.preadv` from the file: the kernel
         copies from the page cache into `out` with Python's GIL released, and
-        no page of a memmap is faulted in."""
+        no page of a memmap is faulted in. A file with chunk digests is
+        checked chunk by chunk as it is read (`_verify.ChunkCheck`), others
+        whole before their first read (`ShardVerifier.ensure`)."""
+        chunks = self.chunks.get(name) if self.verifier is not None else None
         if self.verifier is not None:
-            self.verifier.ensure(self.number)
+            if chunks is None:
+                self.verifier.ensure(self.number)
+            else:
+                self.verifier.raise_error()
         path = self.paths[name]
         handle = self._handles.get(name)
         if handle is None:
@@ -103,17 +132,34 @@ class Shard:
                         handle = self._handles[name] = open(path, "rb", buffering=0)
                     except OSError as error:
                         raise self._cannot_read(error, path) from None
+        fd = handle.fileno()
+
+        def read(view, position):
+            done = 0
+            while done < len(view):
+                try:
+                    count = os.preadv(fd, [view[done:]], position + done)
+                except OSError as error:
+                    raise self._cannot_read(error, path) from None
+                if count == 0:
+                    raise ShardError(path, f"ended early: shard {self.number} was truncated after the dataset was opened")
+                done += count
+
         view = memoryview(out).cast("B")
-        position = self.offsets[name] + first * (out.nbytes // max(len(out), 1))
-        done = 0
-        while done < len(view):
-            try:
-                count = os.preadv(handle.fileno(), [view[done:]], position + done)
-            except OSError as error:
-                raise self._cannot_read(error, path) from None
-            if count == 0:
-                raise ShardError(path, f"ended early: shard {self.number} was truncated after the dataset was opened")
-            done += count
+        if chunks is None:
+            read(view, self.offsets[name] + first * (out.nbytes // max(len(out), 1)))
+            return
+        try:
+            chunks.read(read, view, first)
+        except _verify.ChunkMismatch as bad:
+            raise self.verifier.fail(ShardError(
+                path,
+                f"checksum mismatch: XXH3-64 {bad.actual:016x} of its rows {bad.first} to {bad.stop - 1} "
+                f"(bytes {chunks.offset + bad.first * chunks.row_bytes} to "
+                f"{chunks.offset + bad.stop * chunks.row_bytes - 1}), index.json says {bad.expected:016x}. "
+                f"Samples {self.start + bad.first} to {self.start + bad.stop - 1} (shard {self.number}) "
+                "are corrupt and were not read. Restore the file or write the shards again.",
+            )) from None
 
     def tensor(self, name: str):
         """Field `name` of this shard as a TF tensor over the memory-mapped file,
@@ -180,11 +226,16 @@ def check_shards(directory, fields, index, index_path) -> list:
             raise ShardError(index_path, f"shard {number}: needs 'samples' and 'files'") from None
         if set(files) != set(fields):
             raise ShardError(index_path, f"shard {number}: files for {sorted(files)}, fields are {sorted(fields)}")
-        paths, offsets = {}, {}
+        paths, offsets, chunks = {}, {}, {}
         for name, info in files.items():
             paths[name], offsets[name] = check_file(directory, fields, index_path, number, name, info, samples)
+            dtype, shape = fields[name]
+            check = _chunk_check(info, paths[name], offsets[name], int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+                                 samples, index_path, f"shard {number}, field {name!r}")
+            if check is not None:
+                chunks[name] = check
         digests = {name: _read_digest(info) for name, info in files.items()}
-        shards.append(Shard(number, start, samples, paths, digests, offsets))
+        shards.append(Shard(number, start, samples, paths, digests, offsets, chunks))
         start += samples
     if int(index.get("samples", -1)) != start:
         raise ShardError(index_path, f"'samples' says {index.get('samples')!r} but the shards hold {start}")

@@ -96,8 +96,10 @@ def write_shards(
             never replaced: `FileExistsError` says what is there.
         samples_per_shard: int >= 1, samples per shard file (the last may hold fewer).
         fields: None or names for the source's arrays (for a dict: which keys, in order).
-        checksum: store each file's SHA-256 (checked by `ShardedDataset.verify`)
-            and XXH3-128 (checked when a `ShardedDataset` first reads the file).
+        checksum: store each file's SHA-256 (checked by `ShardedDataset.verify`),
+            XXH3-128, and the XXH3-64 of each chunk of its rows (up to 256 KiB):
+            a `ShardedDataset` checks the chunks a read touches as it reads
+            them (memory-mapped reads check the whole file first).
         overwrite: replace an existing kvram shard directory, one that holds
             only the files its `index.json` lists (only once the new one is
             complete).
@@ -332,6 +334,10 @@ def _write_into(staging, batches, total, samples_per_shard, checksum, verbose) -
             files[name] = {"name": file_name, "bytes": os.path.getsize(path), "sha256": None}
             if checksum:
                 files[name].update(_verify.file_digests(path))
+                row_bytes = array[:1].nbytes if len(array) else 0
+                chunks = _verify.chunk_digests(path, os.path.getsize(path) - array.nbytes, row_bytes)
+                if chunks is not None:
+                    files[name]["chunks"] = chunks
         shards.append({"samples": rows, "files": files})
         written += rows
         pending = [rest] if len(next(iter(rest.values()))) else []
