@@ -312,7 +312,7 @@ class ShardedDataset:
                 if views is not None:
                     return views
             outs = {n: buffers.take((stop - start,) + self.fields[n][1], self.fields[n][0]) for n in names}
-            if self._verifier is not None and (read == "memmap" or not self._chunked):
+            if self._verifier is not None and ((read == "memmap" and not shuffle) or not self._chunked):
                 # Files with chunk digests are checked as they are read (Shard.read_into).
                 self._start_verification(plan(int(epoch_seed))[0][:, 0] if shuffle else None)
             if not shuffle:

@@ -57,7 +57,7 @@ _NAMES = {"sha256": "SHA-256", "xxh3_128": "XXH3-128"}
 # Files checked in this process: (device, inode, size, mtime_ns, digest).
 # A file rewritten since has another key, and is checked again.
 _checked: set = set()
-# Chunks checked in this process: {(device, inode, size, mtime_ns, digests): bool array}.
+# Chunks checked in this process: {(device, inode, size, mtime_ns, digests' SHA-256): bytearray, 1 a chunk checked}.
 _checked_chunks: dict = {}
 _checked_lock = threading.Lock()
 
