@@ -9,7 +9,8 @@ Each round plans a fresh model and records the candidates the plan checked
 step peak), marks the one it took, then trains each candidate with Keras's
 fit() and measures its step peak as `default_executor.py` does (plain Keras
 too). `ratio` counts the plan's resident bytes on both sides, as that script's
-`no_budget_over_plain` does.
+`no_budget_over_plain` does. `--check-steps` sets how many steps each check
+is the highest of (3 in kvram).
 
     python benchmarks/plan/least_candidates.py --rounds 2 --out least_candidates_cpu.json
 """
@@ -35,7 +36,7 @@ import tensorflow as tf  # noqa: E402
 
 import default_executor  # noqa: E402
 from kvram import remat  # noqa: E402
-from kvram.remat import _plan  # noqa: E402
+from kvram.remat import _plan, _profile  # noqa: E402
 
 MiB = 2**20
 
@@ -76,8 +77,12 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--check-steps", type=int, default=_profile._PROFILE_STEPS,
+                        help="steps each check (and each cut of the profile) is the highest of, in the default "
+                             "executor (kvram.remat._profile._PROFILE_STEPS)")
     parser.add_argument("--out", default="least_candidates_cpu.json")
     args = parser.parse_args(argv)
+    _profile._PROFILE_STEPS = args.check_steps
     rounds = [one_round(args.rows, args.size) for _ in range(args.rounds)]
     record = {"model": f"keras.applications.MobileNetV2 {args.size}x{args.size}, batch {args.rows}",
               "device": "CPU:0, default executor, jit_compile=False", "rounds": rounds,
