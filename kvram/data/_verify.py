@@ -92,33 +92,59 @@ def have_xxhash() -> bool:
     return True
 
 
-def file_digests(path: str) -> dict:
-    """{"sha256": ..., "xxh3_128": ...} of a file (xxh3_128 only with xxhash),
-    from one read of it."""
+def file_digests(path: str, offset: int = 0, row_bytes: int = 0) -> dict:
+    """{"sha256": ..., "xxh3_128": ..., "chunks": ...} of a file, from one read
+    of it: xxh3_128 only with xxhash; "chunks" (`{"rows": rows per chunk,
+    "xxh3_64": base64 of the chunks' XXH3-64s as little-endian uint64}`) only
+    with xxhash and `row_bytes` > 0, for a payload of rows of `row_bytes`
+    starting at byte `offset`. Each chunk is hashed right after the whole-file
+    digests read it, while it is in the CPU's cache."""
     kinds = {"sha256": hashlib.sha256()}
+    step = None
     if have_xxhash():
         import xxhash
 
         kinds["xxh3_128"] = xxhash.xxh3_128()
-    return dict(zip(kinds, _digest(path, list(kinds.values()))))
+        if row_bytes > 0:
+            step = chunk_rows(row_bytes) * row_bytes
+    if step is None:
+        return dict(zip(kinds, _digest(path, list(kinds.values()))))
+    hexes, chunks = _digest(path, list(kinds.values()), chunks=(offset, step))
+    found = dict(zip(kinds, hexes))
+    found["chunks"] = {"rows": step // row_bytes, "xxh3_64": base64.b64encode(chunks.tobytes()).decode("ascii")}
+    return found
 
 
-def _digest(path: str, digests: list, progress=None) -> list:
+def _digest(path: str, digests: list, progress=None, chunks=None):
     """Feeds a file to each of `digests` through a read-only memory map, in
-    chunks (no copy into Python buffers; hashlib and xxhash release the GIL
-    meanwhile); their hex digests."""
+    pieces (no copy into Python buffers; hashlib and xxhash release the GIL
+    meanwhile); their hex digests. With `chunks` = (offset, step), the pieces
+    are the bytes before `offset` and then `step` bytes at a time, and it
+    returns (hex digests, the XXH3-64 of each piece from `offset` on, as
+    little-endian uint64)."""
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
+        if chunks is None:
+            starts = range(0, size, _CHUNK)
+        else:
+            import xxhash
+
+            offset, step = chunks
+            starts = ([0] if offset else []) + list(range(offset, size, step))
+            hashed = np.zeros(math.ceil((size - offset) / step), "<u8")
         if size:
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 with memoryview(mapped) as view:
-                    for offset in range(0, size, _CHUNK):
-                        with view[offset : offset + _CHUNK] as chunk:
+                    for start, stop in zip(starts, [*starts[1:], size]):
+                        with view[start:stop] as piece:
                             for digest in digests:
-                                digest.update(chunk)
+                                digest.update(piece)
+                            if chunks is not None and start >= offset:
+                                hashed[(start - offset) // step] = xxhash.xxh3_64_intdigest(piece)
                         if progress is not None:
-                            progress(min(_CHUNK, size - offset))
-    return [digest.hexdigest() for digest in digests]
+                            progress(stop - start)
+    hexes = [digest.hexdigest() for digest in digests]
+    return hexes if chunks is None else (hexes, hashed)
 
 
 def chunk_rows(row_bytes: int) -> int:
@@ -128,28 +154,6 @@ def chunk_rows(row_bytes: int) -> int:
     while 2 * rows * row_bytes <= CHUNK_BYTES:
         rows *= 2
     return rows
-
-
-def chunk_digests(path: str, offset: int, row_bytes: int) -> dict | None:
-    """{"rows": rows per chunk, "xxh3_64": base64 of the chunks' XXH3-64s as
-    little-endian uint64} of the payload of a file whose rows of `row_bytes`
-    start at byte `offset`; None without xxhash or for empty rows."""
-    if row_bytes <= 0 or not have_xxhash():
-        return None
-    import xxhash
-
-    rows = chunk_rows(row_bytes)
-    step = rows * row_bytes
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        digests = np.zeros(math.ceil((size - offset) / step), "<u8")
-        if len(digests):
-            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                with memoryview(mapped) as view:
-                    for number, start in enumerate(range(offset, size, step)):
-                        with view[start : start + step] as chunk:
-                            digests[number] = xxhash.xxh3_64_intdigest(chunk)
-    return {"rows": rows, "xxh3_64": base64.b64encode(digests.tobytes()).decode("ascii")}
 
 
 class ChunkMismatch(Exception):
@@ -276,20 +280,18 @@ class ShardVerifier:
 
     def ensure(self, number: int) -> None:
         """Returns once shard `number` is checked; raises the first error found."""
-        if self.error is not None:
-            raise self.error
+        self.raise_error()
         if self._done[number]:
             return
         self._advance(number)
         with self._locks[number]:  # waits here while a background thread checks it
             if not self._done[number] and self.error is None:
                 self._check(number)
-        if self.error is not None:
-            raise self.error
+        self.raise_error()
 
     def raise_error(self) -> None:
         """Raises the first error found, if any (reads of chunk-checked files
-        ask this instead of `ensure`)."""
+        ask this alone, without `ensure`'s whole-file check)."""
         if self.error is not None:
             raise self.error
 

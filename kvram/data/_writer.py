@@ -333,11 +333,8 @@ def _write_into(staging, batches, total, samples_per_shard, checksum, verbose) -
             np.save(path, np.ascontiguousarray(array), allow_pickle=False)
             files[name] = {"name": file_name, "bytes": os.path.getsize(path), "sha256": None}
             if checksum:
-                files[name].update(_verify.file_digests(path))
                 row_bytes = array[:1].nbytes if len(array) else 0
-                chunks = _verify.chunk_digests(path, os.path.getsize(path) - array.nbytes, row_bytes)
-                if chunks is not None:
-                    files[name]["chunks"] = chunks
+                files[name].update(_verify.file_digests(path, files[name]["bytes"] - array.nbytes, row_bytes))
         shards.append({"samples": rows, "files": files})
         written += rows
         pending = [rest] if len(next(iter(rest.values()))) else []
