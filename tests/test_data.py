@@ -470,6 +470,16 @@ def test_reads_across_chunk_borders_are_bit_identical(wide, shuffle, batch, bloc
     np.testing.assert_array_equal(x, np.repeat(ids[:, None].astype("float32"), WIDE_ROW, axis=1))
 
 
+def test_a_field_of_empty_samples_has_no_chunks_and_reads(tmp_path):
+    x = np.arange(40, dtype="float32").reshape(20, 2)
+    data = write_shards({"x": x, "e": np.zeros((20, 0), "float32")}, tmp_path / "e", samples_per_shard=8, verbose=0)
+    files = _index(data.directory)["shards"][0]["files"]
+    assert "chunks" in files["x"] and "chunks" not in files["e"] and files["e"]["xxh3_128"]
+    ex, ee = epoch(ShardedDataset(data.directory).to_tf_dataset(6, shuffle=False, fields=["x", "e"]))
+    np.testing.assert_array_equal(ex, x)
+    assert ee.shape == (20, 0)
+
+
 @pytest.mark.parametrize("chunks", [{"rows": 0, "xxh3_64": ""}, {"rows": 4, "xxh3_64": "AAAA"}, {"rows": 4}, "x"])
 def test_malformed_chunk_digests_are_an_error_at_open(wide, chunks):
     index = _index(wide.directory)

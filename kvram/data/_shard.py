@@ -122,6 +122,8 @@ class Shard:
                 self.verifier.ensure(self.number)
             else:
                 self.verifier.raise_error()
+        if out.nbytes == 0:  # rows of no bytes (a field of empty samples): nothing to read
+            return
         path = self.paths[name]
         handle = self._handles.get(name)
         if handle is None:
