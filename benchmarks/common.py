@@ -41,6 +41,14 @@ def versions() -> dict:
     return found
 
 
+def run_record() -> dict:
+    """What a result records of its run beside its numbers: the command (the
+    script relative to the repository), the versions of Python and of the
+    frameworks loaded (`versions`), the CPU count and the date."""
+    return {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]), **versions(),
+            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+
+
 def whole_executions(steps: int, steps_per_execution: int) -> int:
     """`steps` rounded up to a multiple of `steps_per_execution` (Keras runs
     that many steps per call of its compiled function)."""

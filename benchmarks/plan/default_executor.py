@@ -27,17 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import common  # noqa: E402
 
 from kvram import memory, remat, speed  # noqa: E402
 
@@ -112,9 +114,7 @@ def main(argv=None):
               "device": f"CPU:0, {'XLA (jit_compile=True)' if args.jit else 'default executor, jit_compile=False'}",
               "planned_batch_norm": "fused (kvram.speed.fuse_batch_norm)" if args.fuse_batch_norm else "as built",
               "rounds": rounds, "medians": medians,
-              "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-              "python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__,
-              "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+              **common.run_record()}
     with open(args.out, "w") as handle:
         json.dump(record, handle, indent=1)
     print(json.dumps(medians, indent=1))

@@ -21,18 +21,18 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+
+import common  # noqa: E402
 
 import default_executor  # noqa: E402
 from kvram import remat  # noqa: E402
@@ -86,9 +86,7 @@ def main(argv=None):
     rounds = [one_round(args.rows, args.size) for _ in range(args.rounds)]
     record = {"model": f"keras.applications.MobileNetV2 {args.size}x{args.size}, batch {args.rows}",
               "device": "CPU:0, default executor, jit_compile=False", "rounds": rounds,
-              "command": " ".join([os.path.relpath(sys.argv[0], os.path.dirname(os.path.dirname(HERE)))] + sys.argv[1:]),
-              "python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__,
-              "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+              **common.run_record()}
     with open(args.out, "w") as handle:
         json.dump(record, handle, indent=1)
 

@@ -21,17 +21,18 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import common  # noqa: E402
 
 from kvram import remat  # noqa: E402
 from tests.helpers import one_op_order, run_with_peak  # noqa: E402
@@ -90,9 +91,7 @@ def main(argv=None):
                           for name in ("default_executor", "one_op_order")), flush=True)
     record = {"model": f"keras.applications.MobileNetV2 {args.size}x{args.size}, batch {args.rows}",
               "device": "CPU:0, jit_compile=False", "rounds": rounds,
-              "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-              "python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__,
-              "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+              **common.run_record()}
     with open(args.out, "w") as handle:
         json.dump(record, handle, indent=1)
 
