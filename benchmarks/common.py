@@ -231,6 +231,11 @@ def child_result(result: dict) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def _gib(value) -> str:
+    """A peak in GiB for a summary line; "n/a" where the device keeps no allocator statistics."""
+    return "   n/a" if value is None else f"{value:6.2f}"
+
+
 def training_main(doc: str, script: str, benchmark: str, configs: dict, runners: dict, defaults: dict):
     """The command line shared by the image-training benchmarks: each
     configuration `name: (framework, settings)` runs in its own process through
@@ -253,7 +258,7 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
     results = run_children(
         script, args.only or list(configs),
         ["--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup, "--device", args.device],
-        lambda r: f"{r['img_per_s']:8.0f} img/s  {r['peak_gib']:6.2f} GiB  loss {r['final_loss']:.3f}",
+        lambda r: f"{r['img_per_s']:8.0f} img/s  {_gib(r['peak_gib'])} GiB  loss {r['final_loss']:.3f}",
     )
     report = {
         "benchmark": benchmark,
