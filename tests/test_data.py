@@ -423,7 +423,7 @@ def test_a_flipped_byte_fails_its_chunk_before_any_of_its_rows_is_read(wide, shu
     path = os.path.join(wide.directory, "x-00001.npy")
     _flip_a_byte(path, offset_from_end=(32 - 13) * WIDE_ROW * 4 - 8)  # row 13 of shard 1: sample 45
     kvram.data._verify.forget_checked()
-    dataset = ShardedDataset(wide.directory)
+    dataset = ShardedDataset(wide.directory, verify_chunks=True)
     seen = []
     with pytest.raises(Exception, match="checksum mismatch") as error:
         for x in dataset.to_tf_dataset(4, shuffle=shuffle, seed=3, block_size=4):
@@ -449,13 +449,13 @@ def test_each_chunk_is_hashed_once_as_it_is_read_and_no_file_whole(wide, monkeyp
     real = xxhash.xxh3_64_intdigest
     monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: chunks.append(len(data)) or real(data))
     monkeypatch.setattr(kvram.data._verify, "xxh3_128", lambda path, *a: wholes.append(path))
-    dataset = ShardedDataset(wide.directory)
+    dataset = ShardedDataset(wide.directory, verify_chunks=True)
     for _ in range(2):  # batches of 7 rows: most chunks are read in two parts, by two batches
         x = np.concatenate([b.numpy() for b in dataset.to_tf_dataset(7, shuffle=True, seed=0, block_size=3)])
         assert sorted(x[:, 0].astype(int).tolist()) == list(range(64))
         assert chunks == [4 * WIDE_ROW * 4] * 16, "each of the 16 chunks once, in the first epoch only"
     assert wholes == []
-    list(ShardedDataset(wide.directory).to_tf_dataset(8, shuffle=False))  # a second dataset on the same files
+    list(ShardedDataset(wide.directory, verify_chunks=True).to_tf_dataset(8, shuffle=False))  # a second dataset
     assert len(chunks) == 16
 
 
@@ -463,7 +463,9 @@ def test_each_chunk_is_hashed_once_as_it_is_read_and_no_file_whole(wide, monkeyp
 @pytest.mark.parametrize("batch,block", [(7, 3), (3, None), (64, 5), (1, None)])
 def test_reads_across_chunk_borders_are_bit_identical(wide, shuffle, batch, block):
     kvram.data._verify.forget_checked()
-    dataset = ShardedDataset(wide.directory).to_tf_dataset(batch, shuffle=shuffle, seed=2, block_size=block)
+    dataset = ShardedDataset(wide.directory, verify_chunks=True).to_tf_dataset(
+        batch, shuffle=shuffle, seed=2, block_size=block
+    )
     x = np.concatenate([b.numpy() for b in dataset])
     ids = x[:, 0].astype(int)
     assert sorted(ids.tolist()) == list(range(64))
@@ -475,9 +477,45 @@ def test_a_field_of_empty_samples_has_no_chunks_and_reads(tmp_path):
     data = write_shards({"x": x, "e": np.zeros((20, 0), "float32")}, tmp_path / "e", samples_per_shard=8, verbose=0)
     files = _index(data.directory)["shards"][0]["files"]
     assert "chunks" in files["x"] and "chunks" not in files["e"] and files["e"]["xxh3_128"]
-    ex, ee = epoch(ShardedDataset(data.directory).to_tf_dataset(6, shuffle=False, fields=["x", "e"]))
+    ex, ee = epoch(ShardedDataset(data.directory, verify_chunks=True).to_tf_dataset(6, shuffle=False, fields=["x", "e"]))
     np.testing.assert_array_equal(ex, x)
     assert ee.shape == (20, 0)
+
+
+def test_verify_chunks_false_checks_whole_files_of_a_chunked_index(wide, monkeypatch):
+    import xxhash
+
+    kvram.data._verify.forget_checked()
+    chunks, wholes = [], []
+    real_chunk, real_whole = xxhash.xxh3_64_intdigest, kvram.data._verify.xxh3_128
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: chunks.append(len(data)) or real_chunk(data))
+    monkeypatch.setattr(kvram.data._verify, "xxh3_128", lambda path, *a: wholes.append(path) or real_whole(path, *a))
+    dataset = ShardedDataset(wide.directory, verify_chunks=False)
+    assert dataset.verify_chunks is False
+    x = np.concatenate([b.numpy() for b in dataset.to_tf_dataset(7, shuffle=True, seed=0)])
+    assert sorted(x[:, 0].astype(int).tolist()) == list(range(64))
+    assert chunks == [] and sorted(map(os.path.basename, wholes)) == ["x-00000.npy", "x-00001.npy"]
+
+
+def test_verify_chunks_false_still_fails_a_flipped_byte(wide):
+    path = os.path.join(wide.directory, "x-00001.npy")
+    _flip_a_byte(path, offset_from_end=(32 - 13) * WIDE_ROW * 4 - 8)
+    kvram.data._verify.forget_checked()
+    with pytest.raises(Exception, match="checksum mismatch") as error:
+        epoch(ShardedDataset(wide.directory, verify_chunks=False).to_tf_dataset(4, shuffle=False))
+    assert path in str(error.value) and "XXH3-64" not in str(error.value)
+
+
+@pytest.mark.parametrize("cores,chunked", [(1, True), (2, True), (4, True), (8, False), (16, False)])
+def test_verify_chunks_by_default_follows_the_cores(wide, monkeypatch, cores, chunked):
+    monkeypatch.setattr(kvram.data._dataset, "_cores", lambda: cores)
+    dataset = ShardedDataset(wide.directory)
+    assert dataset.verify_chunks is chunked and dataset._chunked is chunked
+
+
+def test_verify_chunks_refuses_what_is_not_a_bool_or_none(wide):
+    with pytest.raises(TypeError, match=r"`verify_chunks` must be None, True or False. Received: verify_chunks='yes'"):
+        ShardedDataset(wide.directory, verify_chunks="yes")
 
 
 @pytest.mark.parametrize("chunks", [{"rows": 0, "xxh3_64": ""}, {"rows": 4, "xxh3_64": "AAAA"}, {"rows": 4}, "x"])

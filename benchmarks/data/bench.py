@@ -100,19 +100,16 @@ def io(args):
         """A fresh dataset and pipeline each round, checked and unchecked alike, so
         that `verify_cost` compares the same work but the check. With `verify`, every
         byte is checked on its first read (this process forgets earlier checks first):
-        a first epoch, the check's worst case. `whole`: each file is checked whole
-        before its first read, on background threads, as for an index without
-        chunk digests (kvram's check before them). (`raw` reads one ShardedDataset's
+        a first epoch, the check's worst case. Chunk digests are checked as they
+        are read (`verify_chunks=True`), or with `whole` each file is checked whole
+        before its first read, on background threads (`verify_chunks=False`, and
+        the check of an index without chunk digests). (`raw` reads one ShardedDataset's
         memmaps every round: its first round maps the pages, 1.8 s for 1 GiB on the
         2-core VM, then 0.06 s.)"""
 
         def run():
             _verify.forget_checked()
-            fresh = ShardedDataset(directory, verify_on_read=verify)
-            if whole:
-                for shard in fresh._shards:
-                    shard.chunks = {}
-                fresh._chunked = False
+            fresh = ShardedDataset(directory, verify_on_read=verify, verify_chunks=not whole)
             for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0, num_parallel_reads=reads, read=read):
                 consume(item)
         return run

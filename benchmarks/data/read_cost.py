@@ -30,7 +30,7 @@ from kvram.data import ShardedDataset, _verify  # noqa: E402
 
 def epoch_seconds(directory, verify, shuffle, batch) -> float:
     _verify.forget_checked()
-    data = ShardedDataset(directory, verify_on_read=verify)
+    data = ShardedDataset(directory, verify_on_read=verify, verify_chunks=True)
     name = list(data.fields)[0]
     dtype, shape = data.fields[name]
     out = np.empty((batch,) + shape, dtype)

@@ -17,6 +17,22 @@ from kvram.data import _shard, _verify, _view
 from kvram.data._format import INDEX, ShardError
 
 
+# `verify_chunks=None` checks chunks as they are read on machines of up to this many
+# cores, and whole files on background threads on larger ones. Measured first epochs
+# (benchmarks/README.md, data): on 2 cores chunks cost 6.5-14% against 21-54% for
+# whole files; on a 16-core GPU host 17-29% against 8-12%. Between 2 and 16 cores
+# it was not measured.
+CHUNK_CHECKS_UP_TO_CORES = 4
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class ShardedDataset:
     """A shard directory written by `write_shards`, validated at open time.
 
@@ -29,13 +45,14 @@ class ShardedDataset:
     Reading checks the bytes against the checksums stored in the index the
     first time this process reads them (`verify_on_read=True`), so a flipped
     byte is an error naming the file and its samples, never data trained on.
-    `to_tf_dataset` (its default `read="pread"`) checks each chunk of rows
-    (up to 256 KiB, XXH3-64) as it reads it, while the bytes are in the CPU's
-    cache, and hands out no row of a chunk before its check has passed.
-    Memory-mapped reads (`read="memmap"`, `"view"`, `read()`), and
-    directories written before chunk digests, check whole files (XXH3-128,
-    or SHA-256 for directories written without it) on background threads a
-    few shards ahead of the reader. Each chunk or file is hashed once per
+    With `verify_chunks`, `to_tf_dataset` (its default `read="pread"`) checks
+    each chunk of rows (up to 256 KiB, XXH3-64) as it reads it, while the
+    bytes are in the CPU's cache, and hands out no row of a chunk before its
+    check has passed. Otherwise, and for memory-mapped reads
+    (`read="memmap"`, `"view"`, `read()`) and directories written before
+    chunk digests, whole files are checked (XXH3-128, or SHA-256 for
+    directories written without it) on background threads a few shards ahead
+    of the reader, each before its first read. Each chunk or file is hashed once per
     process (again only if it changed on disk); later epochs cost nothing.
     Measured cost: `benchmarks/README.md` (data). Files written with
     `checksum=False` have no checksum to compare and are read unchecked (a
@@ -49,6 +66,11 @@ class ShardedDataset:
             background threads checking whole files ahead of the reader, where
             whole files are checked (see above; 0: each shard is checked by
             the read that first needs it).
+        verify_chunks: None (default: chunks where this process has at most
+            4 CPU cores, whole files on larger machines, which hash on their
+            idle cores at less cost; measured in `benchmarks/README.md`),
+            True (chunks as they are read, where the index has them) or False
+            (whole files on the background threads).
 
     Raises:
         ShardError: at open time, for an index or file that does not match.
@@ -60,8 +82,18 @@ class ShardedDataset:
     ```
     """
 
-    def __init__(self, directory, verify_on_read: bool = True, verify_threads: int | None = None):
+    def __init__(
+        self, directory, verify_on_read: bool = True, verify_threads: int | None = None,
+        verify_chunks: bool | None = None,
+    ):
         self.verify_on_read = _checks.boolean("verify_on_read", verify_on_read)
+        if verify_chunks is None:
+            verify_chunks = _cores() <= CHUNK_CHECKS_UP_TO_CORES
+        elif not isinstance(verify_chunks, bool):
+            raise TypeError(
+                f"`verify_chunks` must be None, True or False. Received: verify_chunks={verify_chunks!r}"
+            )
+        self.verify_chunks = verify_chunks
         if verify_threads is None:
             verify_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
         elif isinstance(verify_threads, bool) or not isinstance(verify_threads, int) or verify_threads < 0:
@@ -83,6 +115,9 @@ class ShardedDataset:
         self.index = index
         self.fields = _shard.check_index(index, index_path)
         self._shards = _shard.check_shards(self.directory, self.fields, index, index_path)
+        if not self.verify_chunks:
+            for shard in self._shards:
+                shard.chunks = {}  # whole files, checked on the background threads
         self._starts = np.array([s.start for s in self._shards] + [len(self)], dtype=np.int64)
         self._chunked = all(len(s.chunks) == len(s.paths) for s in self._shards)
         self._verifier = None
