@@ -95,7 +95,7 @@ class ShardedDataset:
             )
         self.verify_chunks = verify_chunks
         if verify_threads is None:
-            verify_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
+            verify_threads = max(1, min(4, _cores() // 2))
         elif isinstance(verify_threads, bool) or not isinstance(verify_threads, int) or verify_threads < 0:
             raise ValueError(
                 f"`verify_threads` must be None or an int >= 0. Received: verify_threads={verify_threads!r}"
