@@ -128,6 +128,17 @@ CONFIGS = {
         "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
                    xla_flags="--xla_gpu_enable_cublaslt=true", data_dtype="uint8")
     ),
+    # XLA's command buffers (CUDA graphs): every run of commands captured, however short
+    # (XLA's default captures runs of 5 or more); and conditionals and loops captured too
+    "kvram_fp16_pin_spe16_cublaslt_graph1": (
+        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_cublaslt=true --xla_gpu_graph_min_graph_size=1")
+    ),
+    "kvram_fp16_pin_spe16_cublaslt_cmdbuf_control": (
+        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
+                   xla_flags="--xla_gpu_enable_cublaslt=true --xla_gpu_enable_command_buffer="
+                             "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE")
+    ),
     "torch_fp16": ("torch", dict(segments=0)),
     "torch_fp16_ckpt4": ("torch", dict(segments=4)),
     "torch_fp16_ckpt4_inplace": ("torch", dict(segments=4, inplace=True)),
