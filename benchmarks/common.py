@@ -41,12 +41,15 @@ def versions() -> dict:
     return found
 
 
-def run_record() -> dict:
-    """What a result records of its run beside its numbers: the command (the
-    script relative to the repository), the versions of Python and of the
-    frameworks loaded (`versions`), the CPU count and the date."""
-    return {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]), **versions(),
-            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+def write_record(path: str, record: dict) -> None:
+    """Writes `record` as JSON to `path`, followed by what a result records of
+    its run beside its numbers: the command (the script relative to the
+    repository), the versions of Python and of the frameworks loaded
+    (`versions`), the CPU count and the date."""
+    record = {**record, "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]), **versions(),
+              "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    with open(path, "w") as handle:
+        json.dump(record, handle, indent=1)
 
 
 def whole_executions(steps: int, steps_per_execution: int) -> int:

@@ -113,10 +113,8 @@ def main(argv=None):
     record = {"model": f"keras.applications.MobileNetV2 {args.size}x{args.size}, batch {args.rows}",
               "device": f"CPU:0, {'XLA (jit_compile=True)' if args.jit else 'default executor, jit_compile=False'}",
               "planned_batch_norm": "fused (kvram.speed.fuse_batch_norm)" if args.fuse_batch_norm else "as built",
-              "rounds": rounds, "medians": medians,
-              **common.run_record()}
-    with open(args.out, "w") as handle:
-        json.dump(record, handle, indent=1)
+              "rounds": rounds, "medians": medians}
+    common.write_record(args.out, record)
     print(json.dumps(medians, indent=1))
 
 

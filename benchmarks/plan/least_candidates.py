@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
@@ -85,10 +84,8 @@ def main(argv=None):
     _profile._PROFILE_STEPS = args.check_steps
     rounds = [one_round(args.rows, args.size) for _ in range(args.rounds)]
     record = {"model": f"keras.applications.MobileNetV2 {args.size}x{args.size}, batch {args.rows}",
-              "device": "CPU:0, default executor, jit_compile=False", "rounds": rounds,
-              **common.run_record()}
-    with open(args.out, "w") as handle:
-        json.dump(record, handle, indent=1)
+              "device": "CPU:0, default executor, jit_compile=False", "rounds": rounds}
+    common.write_record(args.out, record)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 
@@ -90,10 +89,8 @@ def main(argv=None):
               + "; ".join(f"{name}: plain {mib(r[name]['plain_step_bytes'])}, least {mib(r[name]['least_step_bytes'])} MiB"
                           for name in ("default_executor", "one_op_order")), flush=True)
     record = {"model": f"keras.applications.MobileNetV2 {args.size}x{args.size}, batch {args.rows}",
-              "device": "CPU:0, jit_compile=False", "rounds": rounds,
-              **common.run_record()}
-    with open(args.out, "w") as handle:
-        json.dump(record, handle, indent=1)
+              "device": "CPU:0, jit_compile=False", "rounds": rounds}
+    common.write_record(args.out, record)
 
 
 if __name__ == "__main__":
