@@ -31,6 +31,11 @@ from benchmarks.common import (  # noqa: E402
 )
 
 # name: (framework, settings)
+# kvram fp16 without checkpointing, pinned, 16 steps a call, with XLA's cuBLASLt GEMMs (on
+# ViT-B/16: +3.5-4.6%, benchmarks/results/vit_cublaslt_h200.json): the base of the variants below
+_CUBLASLT = dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
+                 xla_flags="--xla_gpu_enable_cublaslt=true")
+
 CONFIGS = {
     "keras_fp32": ("tf", dict(policy="float32", model="keras", jit=True)),
     "keras_mixed_float16": ("tf", dict(policy="mixed_float16", model="keras", jit=True)),
@@ -77,10 +82,8 @@ CONFIGS = {
     "kvram_fp16_pin_spe16": (
         "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True)
     ),
-    # XLA's cuBLASLt GEMMs (on ViT-B/16: +3.5-4.6%, benchmarks/results/vit_cublaslt_h200.json)
     "kvram_fp16_pin_spe16_cublaslt": (
-        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true")
+        "tf", dict(_CUBLASLT)
     ),
     "kvram_bf16_pin_spe16": (
         "tf", dict(policy="mixed_bfloat16", model="kvram", jit=True, ckpt=False, spe=16, pin=True)
@@ -106,38 +109,32 @@ CONFIGS = {
     # Keras's own multi-step loop (its condition on the GPU, waited for once a step), against
     # kvram's loop on the host
     "kvram_fp16_pin_spe16_cublaslt_kerasloop": (
-        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true", keras_loop=True)
+        "tf", dict(_CUBLASLT, keras_loop=True)
     ),
     # TensorFlow's timestamped GPU allocator: batches copied to the GPU without waiting for the
     # steps queued ahead of them (common.track_gpu_frees)
     "kvram_fp16_pin_spe16_cublaslt_tracked": (
-        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true", track_frees=1)
+        "tf", dict(_CUBLASLT, track_frees=1)
     ),
     # the step with its batch kept on the GPU, as the PyTorch configurations keep theirs
     # (common.timed_resident_steps: model.train_step XLA-compiled, 16 a call, no copy a step)
     "kvram_fp16_pin_spe16_cublaslt_resident": (
-        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true", resident=True)
+        "tf", dict(_CUBLASLT, resident=True)
     ),
     # the batch as uint8 images (a quarter of float32's bytes: 38.5 MB a batch of 256 against
     # 154), as decoded images come; a Rescaling(1/255) in front of the model casts and scales
     # them on the GPU, inside the step, to the float configurations' range [0, 1)
     "kvram_fp16_pin_spe16_cublaslt_uint8": (
-        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true", data_dtype="uint8")
+        "tf", dict(_CUBLASLT, data_dtype="uint8")
     ),
     # XLA's command buffers (CUDA graphs): every run of commands captured, however short
     # (XLA's default captures runs of 5 or more); and conditionals and loops captured too
     "kvram_fp16_pin_spe16_cublaslt_graph1": (
-        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true --xla_gpu_graph_min_graph_size=1")
+        "tf", dict(_CUBLASLT, xla_flags=_CUBLASLT["xla_flags"] + " --xla_gpu_graph_min_graph_size=1")
     ),
     "kvram_fp16_pin_spe16_cublaslt_cmdbuf_control": (
-        "tf", dict(policy="mixed_float16", model="kvram", jit=True, ckpt=False, spe=16, pin=True,
-                   xla_flags="--xla_gpu_enable_cublaslt=true --xla_gpu_enable_command_buffer="
-                             "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE")
+        "tf", dict(_CUBLASLT, xla_flags=_CUBLASLT["xla_flags"] + " --xla_gpu_enable_command_buffer="
+                   "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE")
     ),
     "torch_fp16": ("torch", dict(segments=0)),
     "torch_fp16_ckpt4": ("torch", dict(segments=4)),
