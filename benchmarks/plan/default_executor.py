@@ -34,6 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# CPU allocator statistics need TF's oneDNN allocator, on by default only on CPUs with
+# AVX-512 VNNI/AMX; set before TensorFlow is imported, as `import kvram` and tests/conftest.py do
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

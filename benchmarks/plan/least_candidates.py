@@ -27,6 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# CPU allocator statistics need TF's oneDNN allocator, on by default only on CPUs with
+# AVX-512 VNNI/AMX; set before TensorFlow is imported, as `import kvram` and tests/conftest.py do
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
