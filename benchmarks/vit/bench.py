@@ -186,6 +186,16 @@ CONFIGS = {
     "kvram_cudnn_lean_nockpt_resident_unguarded": (
         "tf", dict(_CUDNN, checkpoint=False, lean=True, resident=True, unguarded=True)
     ),
+    # lean_activations with every block checkpointed in full; and with save_dots (whose kept
+    # products XLA merged with the forward pass before checkpoint._zero_from: the 2026-11-26
+    # kvram_cudnn_lean_dots measured 15.59 GiB against 17.34 without checkpointing)
+    "kvram_cudnn_lean_ckpt": ("tf", dict(_CUDNN, checkpoint=True, lean=True)),
+    # micro-batches of 128 rows (kvram.Model.micro_batch_size: two slices a step, one update),
+    # alone and with save_dots
+    "kvram_cudnn_lean_nockpt_mb128": ("tf", dict(_CUDNN, checkpoint=False, lean=True, micro_batch=128)),
+    "kvram_cudnn_lean_dots_mb128": (
+        "tf", dict(_CUDNN, checkpoint=True, ckpt_policy="save_dots", lean=True, micro_batch=128)
+    ),
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
@@ -227,6 +237,8 @@ def build_tf(settings, batch, device):
             use_keras_loop(model)
         if settings.get("unguarded"):
             model.skip_nonfinite, model.max_consecutive_skips = False, None
+        if "micro_batch" in settings:  # each step's forward and backward over slices of these rows
+            model.micro_batch_size = settings["micro_batch"]
         if "prefetch" in settings:  # batches copied ahead to the GPU (None: off)
             model.prefetch_to_gpu = settings["prefetch"]
         # "default": the README's usage, kvram's defaults (XLA on a GPU, steps_per_execution "auto")
