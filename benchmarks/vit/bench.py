@@ -330,7 +330,7 @@ def run_torch(settings, batch, steps, warmup, device):
 def main():
     training_main(
         __doc__, __file__, "vit_b16-train", CONFIGS, {"tf": run_tf, "torch": run_torch},
-        {"batch": 256, "steps": 20, "warmup": 5},
+        {"batch": 256, "steps": 160, "warmup": 40},
     )
 
 
