@@ -412,6 +412,7 @@ def test_xla_compiles_lengths_the_chunk_does_not_divide():
         assert max_rel_diff(a, b_) < 1e-4
 
 
+@pytest.mark.slow  # XLA compiles: 10.3-10.6 s each on a 2-core VM without AVX-512
 @pytest.mark.parametrize("masks", ["padding", "causal"])
 def test_bf16_under_xla_products_in_bf16_stay_near_multi_head_attentions_error(masks):
     """Under XLA the chunks' products take bf16 inputs and give float32 results

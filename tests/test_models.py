@@ -76,6 +76,7 @@ def _resnet_step(model, reference, x, y):
     return result, hlo, peak
 
 
+@pytest.mark.slow  # three ResNet50 XLA compiles: 139 s in the fast tier on a 2-core VM without AVX-512
 @pytest.mark.own_process
 def test_resnet50_recomputing_batch_norm_and_relu_only(request):
     """`recompute=`: same function and gradients, less memory than keeping

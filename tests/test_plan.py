@@ -864,6 +864,7 @@ def test_resident_bytes_are_the_variables_the_optimizer_state_and_the_batches():
     assert _plan.resident_bytes(model, "adam", 0, "CPU:0") - 64 == with_adam  # an unbuilt one is counted built
 
 
+@pytest.mark.slow  # a whole plan, checks included: 22.3 s on a 2-core VM without AVX-512
 def test_plan_shows_its_stages_on_stderr_unless_verbose_is_0(capsys):
     x = np.random.default_rng(0).random((8, 32, 32, 3)).astype("float32")
     batch = (x, np.arange(8) % 10)

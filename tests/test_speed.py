@@ -449,6 +449,7 @@ def test_lean_activations_reach_kerashub_approximate_gelu_and_keep_a_decoder_ste
     assert max_rel_diff(plain_grads, grads, per_tensor=False) <= 1e-5
 
 
+@pytest.mark.slow  # an XLA compile in a process of its own: 22.6 s on a 2-core VM without AVX-512
 def test_attention_dropout_masks_are_drawn_again_in_the_backward_pass_under_xla(request):
     """The drop masks are drawn where they are used: the forward's from a seed
     that depends on the layer's input (from the seed alone, XLA on the CPU drew
