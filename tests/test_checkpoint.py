@@ -138,7 +138,7 @@ def test_peak_memory_of_checkpointed_stack(jit):
     """The same bars in TensorFlow's graph executor and under XLA (which
     ignores control dependencies and merges equal expressions: save_dots
     peaked as high as no checkpointing there, 786.5 against 793.5 MiB, until
-    its kept products' replay read a data dependency, `_zero_from`)."""
+    its kept products' replay read a data dependency, `_order.after`)."""
     plain = _step_peak(checkpoint=False, jit=jit)
     ckpt = _step_peak(checkpoint=True, jit=jit)
     dots = _step_peak(checkpoint=True, policy="save_dots", jit=jit)

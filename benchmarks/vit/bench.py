@@ -186,9 +186,9 @@ CONFIGS = {
     "kvram_cudnn_lean_nockpt_resident_unguarded": (
         "tf", dict(_CUDNN, checkpoint=False, lean=True, resident=True, unguarded=True)
     ),
-    # lean_activations with every block checkpointed in full; and with save_dots (whose kept
-    # products XLA merged with the forward pass before checkpoint._zero_from: the 2026-11-26
-    # kvram_cudnn_lean_dots measured 15.59 GiB against 17.34 without checkpointing)
+    # lean_activations with every block checkpointed in full (save_dots' kept products were
+    # merged with the forward pass by XLA before 3c3f5c3: the 2026-11-26 kvram_cudnn_lean_dots
+    # measured 15.59 GiB against 17.34 without checkpointing)
     "kvram_cudnn_lean_ckpt": ("tf", dict(_CUDNN, checkpoint=True, lean=True)),
     # micro-batches of 128 rows (kvram.Model.micro_batch_size: two slices a step, one update),
     # alone and with save_dots

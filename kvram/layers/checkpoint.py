@@ -9,6 +9,8 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from kvram.layers._order import after
+
 __all__ = ["Checkpoint", "POLICIES"]
 
 # What a `Checkpoint` keeps from its forward pass for the backward pass.
@@ -267,26 +269,15 @@ def _replay(product, x, kernel, kept):
                 value = product(x, kernel)
             return tape.gradient(value, [x, kernel], output_gradients=dy)
 
-        # Read once the recomputation reaches the product's input: without
-        # the dependency, the executor runs what follows every kept product
-        # (the activations) as soon as the forward pass ends, all blocks at
-        # once, and the step peaks as high as without checkpointing.
-        with tf.control_dependencies([x]):
-            return tf.identity(kept) + _zero_from(x, kept.dtype), gradient
+        # Read once the recomputation reaches the product's input (`after`:
+        # a zero computed from it, the data dependency XLA keeps where it
+        # ignores control dependencies). Without it, what follows every kept
+        # product (the activations) runs as soon as the forward pass ends,
+        # all blocks at once, and under XLA is the forward pass's own
+        # expression, merged with it: the step peaks as high as without
+        # checkpointing (a 12-block stack on the CPU under XLA: 786.5 MiB
+        # against 793.5 unchecked, 258.5 with the dependency).
+        return kept + tf.cast(after(x), kept.dtype), gradient
 
     return replayed(x, kernel)
 
-
-def _zero_from(x, dtype):
-    """A zero of `dtype` computed from `x`, which no compiler folds away: the
-    data dependency `tf.recompute_grad` puts on its recomputation's inputs, for
-    the same reason. XLA ignores control dependencies, so without it the kept
-    product's replay (`kept + bias`, its activation, ...) is the same expression
-    as the forward pass's, XLA merges the two, and the activations after every
-    product stay alive until the backward pass: measured on the CPU under XLA,
-    a 12-block stack's step peaked at 786.5 MiB with save_dots against 793.5
-    without checkpointing (and 276.0 without XLA). The first element alone is
-    read, as `tf.recompute_grad` reads its gradient's."""
-    first = tf.reduce_max(tf.reshape(x, [-1])[:1])
-    as_bool = tf.cast(first, tf.bool)  # a NaN is True too: the zero is a zero for any x
-    return tf.cast(tf.where(as_bool == as_bool, 0.0, float("nan")), dtype)
