@@ -38,7 +38,26 @@ def versions() -> dict:
         module = sys.modules.get(name)
         if module is not None:
             found[name] = module.__version__
+    if "torch" in sys.modules:  # the cuDNN it loaded: its attention's kernels depend on it
+        found["torch_cudnn"] = sys.modules["torch"].backends.cudnn.version()
     return found
+
+
+def torch_environment(environ=None) -> dict:
+    """`environ` (default: this process's) for a PyTorch child, without the
+    `LD_LIBRARY_PATH` folders that hold a cuDNN 9 library. PyTorch's wheel
+    bundles its own cuDNN and finds it through its libraries' RUNPATH, which
+    `LD_LIBRARY_PATH` comes before: with TensorFlow's staging on the GPU machine
+    (../shared/gpu/tf-on-gpu.sh puts the image's cuDNN 9.14 first) PyTorch
+    2.11 loaded 9.14 instead of its 9.19, `torch.backends.cudnn.version()`
+    raised, and its attention ran FlashAttention-2 instead of cuDNN's
+    (benchmarks/results/profile_vit_pair_h200.json, sdpa_backend_h200.json)."""
+    import glob
+
+    environ = dict(os.environ if environ is None else environ)
+    kept = [d for d in environ.get("LD_LIBRARY_PATH", "").split(":") if d and not glob.glob(os.path.join(d, "libcudnn.so.9*"))]
+    environ["LD_LIBRARY_PATH"] = ":".join(kept)
+    return environ
 
 
 def write_record(path: str, record: dict) -> None:
@@ -198,18 +217,20 @@ def timed_torch_steps(step, steps: int, warmup: int) -> dict:
     }
 
 
-def run_children(script: str, names, args, describe, timeout=None) -> dict:
+def run_children(script: str, names, args, describe, timeout=None, environment=None) -> dict:
     """Runs `script --child NAME ARGS...` for each name, one process each (clean
     allocator statistics), and collects the JSON each prints on a `RESULT` line.
     `describe(result)` formats a line of progress; `timeout` (seconds), if
-    given, stops a child that runs longer (its result is then the error)."""
+    given, stops a child that runs longer (its result is then the error);
+    `environment(name)`, if given, is the child's environment (None: this
+    process's)."""
     results = {}
     for name in names:
         started = time.perf_counter()
         try:
             proc = subprocess.run(
                 [sys.executable, script, "--child", name, *map(str, args)], capture_output=True, text=True,
-                timeout=timeout,
+                timeout=timeout, env=environment(name) if environment else None,
             )
         except subprocess.TimeoutExpired:
             proc = subprocess.CompletedProcess([], 1, "", f"timed out after {timeout} s")
@@ -262,6 +283,7 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
         script, args.only or list(configs),
         ["--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup, "--device", args.device],
         lambda r: f"{r['img_per_s']:8.0f} img/s  {_gib(r['peak_gib'])} GiB  loss {r['final_loss']:.3f}",
+        environment=lambda name: torch_environment() if configs[name][0] == "torch" else None,
     )
     report = {
         "benchmark": benchmark,

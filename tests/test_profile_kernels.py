@@ -42,3 +42,16 @@ def test_host_busy_sums_events_inside_the_gpu_window_by_thread_kind():
     busy = {name: (ms, count) for name, ms, count in found["events_ms_per_step"]}
     assert busy == {"ExecutorState::Process @tf_Compute": (1.5, 1), "IteratorGetNext @tf_data": (0.1, 1),
                     "XlaLaunch @tf_Compute": (0.09, 1)}
+
+
+def test_torch_children_start_without_folders_that_hold_a_cudnn(tmp_path):
+    from benchmarks.common import torch_environment
+
+    staged, plain = tmp_path / "staged", tmp_path / "plain"
+    staged.mkdir(), plain.mkdir()
+    (staged / "libcudnn.so.9").write_bytes(b"")
+    (plain / "libcudart.so.12").write_bytes(b"")
+    environ = {"LD_LIBRARY_PATH": f"{staged}:{plain}::/nonexistent", "PATH": "/bin"}
+    env = torch_environment(environ)
+    assert env["LD_LIBRARY_PATH"] == f"{plain}:/nonexistent"
+    assert env["PATH"] == "/bin" and environ["LD_LIBRARY_PATH"].startswith(str(staged))  # the given one unchanged

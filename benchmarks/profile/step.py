@@ -49,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-from benchmarks.common import gpu_name, timed_fit, timed_torch_steps, whole_executions  # noqa: E402
+from benchmarks.common import gpu_name, timed_fit, timed_torch_steps, torch_environment, whole_executions  # noqa: E402
 from benchmarks.resnet50.bench import build_tf, torch_step  # noqa: E402
 
 # name: (framework, settings). Settings: policy, jit, and one change each:
@@ -290,7 +290,7 @@ def main():
     results = {}
     for name in args.only or list(configs):
         framework, settings = configs[name]
-        env = dict(os.environ, **settings.get("env", {}))
+        env = dict(torch_environment() if framework == "torch" else os.environ, **settings.get("env", {}))
         flags = [env.get("XLA_FLAGS", ""), settings.get("xla_flags", "")]
         if framework == "tf" and (args.model in _BY_PART or settings.get("jit") and args.raw_dir):
             flags += [f"--xla_dump_to={_xla_dump_dir(args.raw_dir, name)}", "--xla_dump_hlo_as_text"]

@@ -285,7 +285,7 @@ def run_torch(settings, batch, steps, warmup, device):
 
     timed = timed_torch_steps(torch_step(settings, batch), steps, warmup)
     return {
-        "framework": f"torch {torch.__version__}, torchvision {torchvision.__version__}",
+        "framework": f"torch {torch.__version__}, torchvision {torchvision.__version__}, cuDNN {torch.backends.cudnn.version()}",
         "settings": settings,
         "img_per_s": batch * steps / timed["seconds"],
         "peak_gib": timed["peak_gib"],

@@ -196,6 +196,9 @@ CONFIGS = {
     "kvram_cudnn_lean_dots_mb128": (
         "tf", dict(_CUDNN, checkpoint=True, ckpt_policy="save_dots", lean=True, micro_batch=128)
     ),
+    # the lean step under mixed_float16, the precision torch_fp16_compile runs in (Keras's
+    # LossScaleOptimizer, put in place by compile(), scales the loss); cuDNN's attention in F16
+    "kvram_cudnn_lean_nockpt_fp16": ("tf", dict(_CUDNN, policy="mixed_float16", checkpoint=False, lean=True)),
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
