@@ -51,7 +51,7 @@ def torch_environment(environ=None) -> dict:
     (../shared/gpu/tf-on-gpu.sh puts the image's cuDNN 9.14 first) PyTorch
     2.11 loaded 9.14 instead of its 9.19, `torch.backends.cudnn.version()`
     raised, and its attention ran FlashAttention-2 instead of cuDNN's
-    (benchmarks/results/profile_vit_pair_h200.json, sdpa_backend_h200.json)."""
+    (benchmarks/results/profile_vit_pair_h200.json, torch_cudnn_env_h200.json)."""
     import glob
 
     environ = dict(os.environ if environ is None else environ)
