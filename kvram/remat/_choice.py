@@ -86,8 +86,7 @@ def _choose(profile, budget):
     the one made first is kept, in the order the tuples were made (segment j
     kept whole, then its runs j..k for k ascending, state by state)."""
     n = len(profile.need)
-    table = _run_table(profile)
-    dtype = np.int64 if all(isinstance(f, int) for f in profile.flops) else np.float64
+    arrays, dtype = _run_arrays(profile)
     # parts[t]: the arrays of states made for the front after segment t-1, in the order
     # made: (flops, saved, index of the state it came from in front j, j, last segment of
     # its new run or -1 where segment t-1 was kept whole)
@@ -100,9 +99,7 @@ def _choose(profile, budget):
         fronts.append(came)
         limit = budget + saved
         index = np.arange(len(saved))
-        rows = np.array(table[j], dtype=np.float64 if dtype is np.float64 else np.int64).reshape(-1, 5)
-        ks, costs = rows[:, 0].astype(np.int64), rows[:, 1].astype(dtype)
-        gains, needs, worsts = (rows[:, c].astype(np.int64) for c in (2, 3, 4))
+        ks, costs, gains, needs, worsts = arrays[j]
         # runs j..k each state may start: before the first k whose `worst` exceeds its limit
         # (`worst` only grows with k), saving bytes, within the limit
         ok = (worsts[None, :] <= limit[:, None]) & (gains[None, :] > 0) & (needs[None, :] <= limit[:, None])
@@ -152,6 +149,20 @@ def _pareto_front(parts):
     kept &= saved >= 0
     keep = order[kept]
     return flops[kept], saved[kept], (index[keep], j[keep], last[keep])
+
+
+@functools.lru_cache(maxsize=4)
+def _run_arrays(profile):
+    """`_run_table` as numpy arrays, once a profile: for each j, (k, FLOPs,
+    saving, need, worst) each an array over k = j..n-1; and the FLOPs' dtype
+    (int64 where every segment's FLOPs are ints, else float64)."""
+    dtype = np.int64 if all(isinstance(f, int) for f in profile.flops) else np.float64
+    arrays = []
+    for rows in _run_table(profile):
+        ks, costs, gains, needs, worsts = zip(*rows)
+        arrays.append((np.array(ks, np.int64), np.array(costs, dtype),
+                       *(np.array(column, np.int64) for column in (gains, needs, worsts))))
+    return arrays, dtype
 
 
 @functools.lru_cache(maxsize=4)
