@@ -33,6 +33,8 @@ Configurations:
                    the GPU (no copy a step, as the PyTorch configurations run):
                    `model.train_step` XLA-compiled, 16 a call, not `fit`;
                    `_resident_unguarded` the same without the guard.
+    kvram_cudnn_lean_*_float8  the lean step with Keras's float8 training
+                   (`model.quantize("float8")`: Dense and EinsumDense layers).
     torch_fp16_compile_hostbatch  torch_fp16_compile copying its batch from
                    pinned host memory each step (`.cuda(non_blocking=True)`), as
                    a DataLoader with pin_memory=True feeds it.
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -199,6 +202,12 @@ CONFIGS = {
     # the lean step under mixed_float16, the precision torch_fp16_compile runs in (Keras's
     # LossScaleOptimizer, put in place by compile(), scales the loss); cuDNN's attention in F16
     "kvram_cudnn_lean_nockpt_fp16": ("tf", dict(_CUDNN, policy="mixed_float16", checkpoint=False, lean=True)),
+    # Keras's float8 training (`model.quantize("float8")`: every Dense and EinsumDense with
+    # delayed scaling, its inputs, kernels and output gradients quantized and dequantized in the
+    # pattern XLA's GEMM rewriter turns into FP8 GEMMs on Hopper), the lean step without and with
+    # a Checkpoint per block
+    "kvram_cudnn_lean_nockpt_float8": ("tf", dict(_CUDNN, checkpoint=False, lean=True, float8=True)),
+    "kvram_cudnn_lean_ckpt_float8": ("tf", dict(_CUDNN, checkpoint=True, lean=True, float8=True)),
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
@@ -234,6 +243,10 @@ def build_tf(settings, batch, device):
         )
         if settings.get("lean"):
             kvram.speed.lean_activations(model)
+        if settings.get("float8"):
+            with warnings.catch_warnings():  # "Layer Conv2D does not have a `quantize` method", ...
+                warnings.simplefilter("ignore", UserWarning)
+                model.quantize("float8")
         if settings["attention"] == "keras" and not settings.get("kvram_data"):
             model.prefetch_to_gpu = None  # plain Keras: no kvram data path either
         if settings.get("keras_loop"):
@@ -277,6 +290,7 @@ def run_tf(settings, batch, steps, warmup, device):
         "steps_per_execution": int(model.steps_per_execution),
         "host_memory_pinned": __import__("kvram").speed.host_memory_pinned(),
         "dtype_policy": keras.config.dtype_policy().name,
+        "float8_layers": sum(getattr(layer, "quantization_mode", None) == "float8" for layer in model._flatten_layers()),
         "peak_gib": timed["peak_gib"][device],
         "final_loss": timed["loss"],
     }
