@@ -207,6 +207,17 @@ def _kept_checks(path: str) -> CheckStore:
 # GiB against 8.75 (benchmarks/results/plan_minute_h200/README.md).
 UNTUNED = "--xla_gpu_autotune_level=0"
 
+# Two more XLA flags that shorten a check's compile, each added unless XLA_FLAGS
+# names it: LLVM without its expensive passes, and dots as cuBLAS calls instead
+# of Triton GEMM fusions (each a Triton, LLVM and PTX compile of its own). On
+# one H200, two runs each against the default in turn, checks at autotuning
+# level 0: ConvNeXtSmall's took 48.8 and 52.3 s against 63.2 and 59.1 s (step
+# peak 8.75 GiB against 8.72; 8.75 autotuned, as training compiles it),
+# ResNet50's 36.1 and 39.6 s against 41.1 and 39.1 s (4.71 GiB each), ViT-B's
+# two 38.5 s against 45.7 s in one run (6.04 GiB against 6.12)
+# (benchmarks/results/plan_minute_h200/README.md, 2026-11-28).
+QUICK_COMPILE = ("--xla_llvm_disable_expensive_passes=true", "--xla_gpu_enable_triton_gemm=false")
+
 
 # TensorFlow's executor, on which the cut-by-cut measurement runs, likewise times
 # every cuDNN convolution algorithm for each shape it has not seen, in the first
@@ -222,12 +233,14 @@ STARTED = "KVRAM_PLAN_STARTED"
 
 def checking_environment(environ=None) -> dict:
     """The estimate's child's environment: `environ` with XLA's autotuning off
-    (`UNTUNED` added to XLA_FLAGS, unless XLA_FLAGS sets a level already) and
+    (`UNTUNED` added to XLA_FLAGS, unless XLA_FLAGS sets a level already),
+    `QUICK_COMPILE`'s flags added where XLA_FLAGS does not name them, and
     TensorFlow's cuDNN autotuning off (`UNTUNED_CUDNN`=0, unless it is set)."""
     env = dict(os.environ if environ is None else environ)
     flags = env.get("XLA_FLAGS", "")
-    if "xla_gpu_autotune_level" not in flags:
-        env["XLA_FLAGS"] = f"{flags} {UNTUNED}".strip()
+    added = [flag for flag in (UNTUNED, *QUICK_COMPILE) if flag.split("=")[0] not in flags]
+    if added:
+        env["XLA_FLAGS"] = " ".join([flags, *added]).strip()
     env.setdefault(UNTUNED_CUDNN, "0")
     return env
 

@@ -637,10 +637,17 @@ def test_least_out_of_memory_says_nothing_fits(monkeypatch):
         remat.plan(small_model(), (x, np.arange(16) % 10))
 
 
+_QUICK = "--xla_llvm_disable_expensive_passes=true --xla_gpu_enable_triton_gemm=false"
+
+
 @pytest.mark.parametrize("given, expected", [
-    (None, "--xla_gpu_autotune_level=0"),
-    ("--xla_gpu_enable_cublaslt=true", "--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0"),
-    ("--xla_gpu_autotune_level=2", "--xla_gpu_autotune_level=2"),  # the user's level stays
+    (None, f"--xla_gpu_autotune_level=0 {_QUICK}"),
+    ("--xla_gpu_enable_cublaslt=true", f"--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0 {_QUICK}"),
+    ("--xla_gpu_autotune_level=2", f"--xla_gpu_autotune_level=2 {_QUICK}"),  # the user's level stays
+    # and so does the user's setting of either compile flag
+    ("--xla_gpu_enable_triton_gemm=true",
+     "--xla_gpu_enable_triton_gemm=true --xla_gpu_autotune_level=0 --xla_llvm_disable_expensive_passes=true"),
+    (f"--xla_gpu_autotune_level=1 {_QUICK}", f"--xla_gpu_autotune_level=1 {_QUICK}"),
 ])
 def test_plan_checks_compile_without_autotuning_unless_xla_flags_set_a_level(given, expected):
     environ = {"PATH": "/bin"} | ({"XLA_FLAGS": given} if given is not None else {})
@@ -745,7 +752,7 @@ def test_cli_plan_measures_in_a_second_child_compiled_as_training_will_be(tmp_pa
     assert code == 0 and [c[0] for c in calls] == ["measuring", "estimating", "told"], calls
     (_, measuring, measure_env), (_, estimating, env), told = calls
     assert told == ("told", "go")
-    assert env["XLA_FLAGS"] == "--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0"
+    assert env["XLA_FLAGS"] == f"--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0 {_QUICK}"
     assert env["TF_CUDNN_USE_AUTOTUNE"] == "0"
     assert "--measure-from" not in estimating
     # the second child: the user's environment and the command's start (as the
@@ -805,7 +812,7 @@ def test_cli_plan_without_measure_starts_one_child(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_cli_plan_in_children_checks_untuned_and_measures_as_given(tmp_path, monkeypatch, capfd):
-    # the real children: the estimate's builds see XLA_FLAGS with autotuning off,
+    # the real children: the estimate's builds see XLA_FLAGS with autotuning off (and QUICK_COMPILE),
     # --measure's (another process) the user's XLA_FLAGS
     log = tmp_path / "flags.jsonl"
     monkeypatch.setenv("KVRAM_TEST_FLAGS_LOG", str(log))
@@ -822,7 +829,7 @@ def test_cli_plan_in_children_checks_untuned_and_measures_as_given(tmp_path, mon
     processes = list(dict.fromkeys(pid for pid, *_ in builds))
     assert len(processes) == 2, builds
     flags = {pid: {tuple(f) for p, *f in builds if p == pid} for pid in processes}
-    assert flags[processes[0]] == {("--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0", "0")}, builds
+    assert flags[processes[0]] == {(f"--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0 {_QUICK}", "0")}, builds
     assert flags[processes[1]] == {("--xla_gpu_enable_cublaslt=true", None)}, builds
     # the estimate's process says when TensorFlow was imported, in the command's time
     assert "s] TensorFlow " in err and " imported" in err, err[-3000:]

@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="run the estimate in a child process, started again from its kept checks "
                               "if a signal kills it (TensorFlow can abort after a GPU step out of "
                               "memory), its checks compiled without XLA's autotuning "
-                              "(--xla_gpu_autotune_level=0 unless XLA_FLAGS sets a level), and "
+                              "(--xla_gpu_autotune_level=0 unless XLA_FLAGS sets a level), without LLVM's "
+                              "expensive passes and Triton GEMMs (unless XLA_FLAGS names them), and "
                               "--measure in a second child, compiled as training will be; auto: "
                               "when a GPU is present")
     planner.add_argument("--plan-child", default=None, help=argparse.SUPPRESS)  # set by --isolate's parent
