@@ -238,7 +238,8 @@ def checking_environment(environ=None) -> dict:
     TensorFlow's cuDNN autotuning off (`UNTUNED_CUDNN`=0, unless it is set)."""
     env = dict(os.environ if environ is None else environ)
     flags = env.get("XLA_FLAGS", "")
-    added = [flag for flag in (UNTUNED, *QUICK_COMPILE) if flag.split("=")[0] not in flags]
+    named = {token.split("=")[0] for token in flags.split()}
+    added = [flag for flag in (UNTUNED, *QUICK_COMPILE) if flag.split("=")[0] not in named]
     if added:
         env["XLA_FLAGS"] = " ".join([flags, *added]).strip()
     env.setdefault(UNTUNED_CUDNN, "0")

@@ -648,6 +648,8 @@ _QUICK = "--xla_llvm_disable_expensive_passes=true --xla_gpu_enable_triton_gemm=
     ("--xla_gpu_enable_triton_gemm=true",
      "--xla_gpu_enable_triton_gemm=true --xla_gpu_autotune_level=0 --xla_llvm_disable_expensive_passes=true"),
     (f"--xla_gpu_autotune_level=1 {_QUICK}", f"--xla_gpu_autotune_level=1 {_QUICK}"),
+    # a flag whose name only begins with one of them names another flag
+    ("--xla_gpu_enable_triton_gemm_any=true", f"--xla_gpu_enable_triton_gemm_any=true --xla_gpu_autotune_level=0 {_QUICK}"),
 ])
 def test_plan_checks_compile_without_autotuning_unless_xla_flags_set_a_level(given, expected):
     environ = {"PATH": "/bin"} | ({"XLA_FLAGS": given} if given is not None else {})
