@@ -45,10 +45,10 @@ import tensorflow as tf
 from kvram import memory
 from kvram.remat import _check as checking
 from kvram.remat import _plan
-from kvram.remat import _profile as profiling
 from kvram._plan_process import CheckStore
 from kvram.remat._check import StageLog
 from kvram.remat._checker import Checker, _batch, _size
+from kvram.remat._order import _first_that_fits, _probe_profiles, _scaled, _slices
 from kvram.remat._segments import _functional, segments
 
 
@@ -203,22 +203,6 @@ def _run(result) -> str:
     if result.get("error"):
         return result["error"]
     return f"peak {_size(result['peak_bytes'])}, {result['samples_per_second']:.1f} samples/s"
-
-
-def _scaled(low, high, rows_low, rows_high, rows):
-    """Each field of two `_Profile`s extrapolated linearly to `rows`."""
-    t = (rows - rows_low) / (rows_high - rows_low)
-
-    def line(a, b):
-        if a is None or b is None:
-            return None
-        return int(round(a + (b - a) * t))
-
-    fields = {}
-    for field in dataclasses.fields(low):
-        a, b = getattr(low, field.name), getattr(high, field.name)
-        fields[field.name] = tuple(line(u, v) for u, v in zip(a, b)) if isinstance(a, tuple) else line(a, b)
-    return dataclasses.replace(low, **fields)
 
 
 def estimate(
@@ -401,59 +385,6 @@ def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows,
     return configurations, checker
 
 
-# The least share of the cut-by-cut prediction a step without recomputation is taken
-# to check at: one predicted over the limit by more is not checked.
-# On an H200 (benchmarks/results/plan_minute_h200/), XLA-compiled steps checked
-# at 0.65x their prediction (ResNet50, 128 rows, bf16) and 0.82x (ViT-B/16, 64
-# rows); each check of a configuration out of memory cost 24-49 s of compiling,
-# and ResNet50's whole batch (predicted 16.2 GiB under a 6.7 GiB limit) aborted
-# its process in TensorFlow's GPU allocator twice before it was taken as out of memory.
-_CHECKED_AT_LEAST = 0.5
-
-
-def _first_that_fits(configurations, checker, batch_size, limit, log):
-    """The first of one precision's configurations, in the order of preference
-    (the least predicted step time, fewer slices first at equal time), that
-    fits once checked; None if none does."""
-    preference = sorted(configurations, key=lambda c: (
-        c.relative_step_time, _slices(batch_size, c.micro_batch_size)))
-    for c in preference:
-        resident = c._planning[3]
-        if resident > limit:
-            # Variables, optimizer state, batch (and accumulators) alone
-            # are over the limit: no step fits, so none is checked.
-            why = (f"its variables, optimizer state and batch alone ({resident / 2**20:,.1f} MiB) "
-                   f"are over the limit ({limit / 2**20:,.1f} MiB)")
-        elif c.remat == "none" and c.executor_peak_bytes * _CHECKED_AT_LEAST > limit:
-            # No recomputation, over the limit even at the least share of its prediction
-            # a check has come to: not checked (a compiled step, likely out of memory).
-            # Rows that recompute are searched by checks (`_checked_fit`) however high their
-            # prediction: XLA can keep much less than the executor's prediction there.
-            why = (f"predicted {c.executor_peak_bytes / 2**30:,.2f} GiB, over the limit "
-                   f"({limit / 2**30:,.2f} GiB) even at {_CHECKED_AT_LEAST:.0%} of that")
-        else:
-            why = None
-        if why is not None:
-            c.fits, c.not_checked = False, why
-            log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, {why}")
-            continue
-        keras.config.set_dtype_policy(c.precision)
-        if c.remat == "fit" and not _checked_fit(c, checker, limit):
-            continue
-        if c.remat == "least":
-            _checked_least(c, checker, limit)
-        elif c.remat == "none":
-            _check(c, checker, limit)
-        if c.fits:
-            return c
-    return None
-
-
-def _slices(batch_size, micro_batch_size) -> int:
-    """Slices a step of `batch_size` rows runs in (the last may be short)."""
-    return 1 if micro_batch_size is None else -(-batch_size // micro_batch_size)
-
-
 def _checks_exact(check_at, memory_bytes) -> bool:
     """Whether configurations are checked at their own rows (`estimate`'s check_at)."""
     if check_at not in ("auto", "batch", "probes"):
@@ -468,69 +399,10 @@ def _checks_exact(check_at, memory_bytes) -> bool:
     return held is not None and held >= memory_bytes // 2**20 * 2**20
 
 
-def _check(c, checker, limit):
-    """Replaces c's peak by the checked one of its runs."""
-    model, chain, profile, resident, rows = c._planning
-    runs = c.runs
-    peak = checker.at(rows)(runs)
-    c.predicted_peak_bytes = resident + peak
-    c.predicted_by = "oom" if isinstance(peak, checking._OutOfMemory) else checker.name
-    c.fits = c.predicted_by != "oom" and c.predicted_peak_bytes <= limit
-
-
-def _checked_fit(c, checker, limit) -> bool:
-    """Re-plans a "fit" row with checks; False when no choice fits (the
-    least-memory choice, checked, does not either)."""
-    model, chain, profile, resident, rows = c._planning
-    try:
-        chosen = _plan._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
-    except ValueError:  # the least peak, checked, is above the limit too (or out of memory)
-        # The cut-by-cut profile, from which the choices come, varies from run
-        # to run on the graph executor; XLA's peaks need not follow it (on the
-        # CPU it picked, one run in five, only choices XLA kept as high as
-        # without recomputation): the choices of a second profile are checked.
-        checker.log(f"fit at {rows} rows: no choice checked within the limit; profiled again")
-        profile = _scaled(*_probe_profiles(model, chain, checker.batches, checker.loss), *sorted(checker.batches), rows)
-        try:
-            chosen = _plan._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
-        except ValueError:
-            _check(c, checker, limit)  # the row shows its own choice's checked peak
-            return False
-    checker.least_runs[rows] = chosen.least_runs
-    _replace_plan(c, chosen, checker, limit)
-    return c.fits
-
-
-def _checked_least(c, checker, limit):
-    """Re-plans a "least" row with checks: the least-memory candidates (and
-    those a "fit" row's search checked) are checked, the lowest taken."""
-    model, chain, profile, resident, rows = c._planning
-    try:
-        chosen = _plan._plan_for(model, chain, profile, resident, None, rows, checker.at(rows),
-                                 checker.least_runs.get(rows))
-    except ValueError:  # the least-memory choice ran out of the device's memory
-        _check(c, checker, limit)
-        return
-    _replace_plan(c, chosen, checker, limit)
-
-
-def _replace_plan(c, chosen, checker, limit):
-    # the new choice's recomputation in place of the old one's (the slices' cost stays)
-    c.relative_step_time += chosen.recompute_fraction - c.plan.recompute_fraction
-    c.plan, c.predicted_peak_bytes = chosen, chosen.predicted_peak_bytes
-    c.predicted_by, c.fits = checker.name, chosen.predicted_peak_bytes <= limit
-
-
 def _policy(model) -> str:
     """The dtype policy most of `model`'s layers compute in."""
     names = [layer.dtype_policy.name for layer in model._flatten_layers(include_self=False)]
     return max(set(names), key=names.count) if names else keras.config.dtype_policy().name
-
-
-def _probe_profiles(model, chain, batches, loss):
-    """The cut-by-cut profiles at the probe batches ({rows: (x, y)}), fewest rows first."""
-    return profiling._profiles(model, chain, [batches[rows] for rows in sorted(batches)],
-                               checking._loss_function(model, loss), memory._device_name(None))
 
 
 def _device_total() -> int:
