@@ -540,6 +540,101 @@ def test_checks_are_exact_where_the_gpu_holds_the_memory_asked_for(held, exact, 
     assert _estimate._checks_exact("batch", 8 * 10**9) and not _estimate._checks_exact("probes", 8 * 10**9)
 
 
+_U = 2**30 // 100  # the unit of the figures below: 142 of them print as 1.42 GiB
+
+
+class _Checks:
+    """Stands in for an estimate's Checker: the step peak (in _U beyond the
+    resident bytes) of each micro-batch size, out of memory where "oom", and
+    the rows checked, in order."""
+
+    name = "xla"
+
+    def __init__(self, peaks, exact=True):
+        self.peaks, self.exact, self.done = peaks, exact, []
+
+    def at(self, rows):
+        def check(runs):
+            from kvram._plan_process import _OutOfMemory
+
+            self.done.append(rows)
+            return _OutOfMemory(30 * _U) if self.peaks[rows] == "oom" else self.peaks[rows] * _U
+
+        return check
+
+
+def _rows(*rows):
+    """Configurations (micro-batch size or None, remat, executor's predicted
+    total in _U), 10 _U resident each, in the order of preference."""
+    from kvram.remat._estimate import Configuration
+
+    made = []
+    for i, (micro, how, predicted) in enumerate(rows):
+        c = Configuration("float32", micro, how, predicted * _U, 1.0 + 0.1 * i, predicted <= 100,
+                          executor_peak_bytes=predicted * _U)
+        c._planning = (None, None, None, 10 * _U, micro or 256)
+        made.append(c)
+    return made
+
+
+@pytest.mark.parametrize("peaks, checked, recommended, left", [
+    # 64-row slices checked first; 128 scaled by them: (10 + 70) * 160 / 90 = 142, over the
+    # limit (100) even at 90% of that, so not compiled
+    ({64: 70}, [64], 64, "predicted 1.60 GiB, 1.42 GiB scaled by micro-batch 64's check (0.80 GiB of "
+                         "0.90 predicted): over the limit (1.00 GiB) even at 90% of that"),
+    # scaled (10 + 40) * 160 / 90 = 89, within: checked after 64, and preferred
+    ({64: 40, 128: 85}, [64, 128], 128, None),
+    ({64: 40, 128: 95}, [64, 128], 64, None),  # checked over the limit: the 64-row slices stand
+    # fewer rows out of memory: more rows are not checked, the slices after them are
+    ({64: "oom", 32: 50}, [64, 32], 32, "micro-batch 64, with fewer rows, checked over the limit"),
+])
+def test_a_slice_predicted_far_over_the_limit_waits_for_a_smaller_ones_check(peaks, checked, recommended, left):
+    """kvram.remat._order: without recomputation, a configuration predicted
+    over 1.5x the limit (and under 2x, above which none is checked) is
+    checked only after the next one without recomputation, and only where
+    that one's check, scaled by the two predictions, leaves it within."""
+    from kvram.remat._order import _first_that_fits
+
+    rows = _rows((None, "none", 201), (128, "none", 160), (64, "none", 90), (32, "none", 70))
+    checks = _Checks(peaks)
+    said = []
+    chosen = _first_that_fits(rows, checks, 256, 100 * _U, said.append)
+    assert checks.done == checked
+    assert chosen.micro_batch_size == recommended and chosen.fits
+    assert "even at 50% of that" in rows[0].not_checked and not rows[0].fits  # over 2x: never checked
+    if left is None:
+        assert rows[1].not_checked is None
+    else:
+        assert not rows[1].fits and left in rows[1].not_checked, rows[1].not_checked
+        assert any("micro-batch 128, remat none: not checked" in line for line in said), said
+
+
+@pytest.mark.parametrize("exact, predicted, checked", [
+    (False, 160, [128]),  # at the probe batches, checks of rows without recomputation cost nothing more
+    (True, 131, [128]),  # 1.31x the limit (ResNet50's 128-row slices on an H200): checked first, and fit
+])
+def test_a_slice_less_far_over_the_limit_is_checked_first(exact, predicted, checked):
+    from kvram.remat._order import _first_that_fits
+
+    rows = _rows((128, "none", predicted), (64, "none", 90))
+    checks = _Checks({128: 60, 64: 40}, exact=exact)
+    chosen = _first_that_fits(rows, checks, 256, 100 * _U, lambda line: None)
+    assert checks.done == checked and chosen is rows[0]
+
+
+def test_a_waiting_slice_is_checked_before_a_recomputing_one(monkeypatch):
+    """No configuration without recomputation comes after it to scale by: the
+    waiting one is checked, in its place in the order, before one that recomputes."""
+    from kvram.remat import _order
+
+    done = []
+    monkeypatch.setattr(_order, "_checked_least", lambda c, checker, limit: done.append("least"))
+    rows = _rows((128, "none", 160), (None, "least", 90))
+    checks = _Checks({128: 60})
+    chosen = _order._first_that_fits(rows, checks, 256, 100 * _U, lambda line: None)
+    assert checks.done == [128] and done == [] and chosen is rows[0]
+
+
 def test_estimate_check_at_is_validated():
     with pytest.raises(ValueError, match=r'check_at must be "auto", "batch" or "probes". Received: check_at=\'all\''):
         remat.estimate(small_model, 16, memory_bytes=2**30, check_at="all")

@@ -41,39 +41,114 @@ def _scaled(low, high, rows_low, rows_high, rows):
 _CHECKED_AT_LEAST = 0.5
 
 
+# A configuration without recomputation predicted over the limit by more than this
+# (and under 1 / _CHECKED_AT_LEAST) fits only where XLA keeps under 1 / 1.5 of the
+# cut-by-cut prediction. Checked at its own rows, it is checked after the next one
+# without recomputation, and only if that check, scaled to its prediction, leaves it
+# within the limit (`_scaled_checks`). On an H200, XLA kept 0.63x the prediction of
+# ResNet50's 128-row slices (9.40 GB predicted under a 7.2 GB limit: 1.31x, checked
+# first) and 0.86x of ViT-B/16's 64-row slices, while its 128-row slices (predicted
+# 1.61x the limit) were compiled for 22-32 s only to run out of memory
+# (benchmarks/results/plan_minute_h200/).
+_DEFERRED_OVER = 1.5
+# Of a scaled check, the share taken: a deferred configuration is left unchecked only
+# when this share of the scaled peak is over the limit (XLA's share of the prediction
+# is not the same at every rows).
+_SCALED_SHARE = 0.9
+
+
 def _first_that_fits(configurations, checker, batch_size, limit, log):
     """The first of one precision's configurations, in the order of preference
     (the least predicted step time, fewer slices first at equal time), that
     fits once checked; None if none does."""
     preference = sorted(configurations, key=lambda c: (
         c.relative_step_time, _slices(batch_size, c.micro_batch_size)))
+    deferred = []  # preferred to those after them; checked once one of those is (_DEFERRED_OVER)
     for c in preference:
-        resident = c._planning[3]
-        if resident > limit:
-            # Variables, optimizer state, batch (and accumulators) alone
-            # are over the limit: no step fits, so none is checked.
-            why = (f"its variables, optimizer state and batch alone ({resident / 2**20:,.1f} MiB) "
-                   f"are over the limit ({limit / 2**20:,.1f} MiB)")
-        elif c.remat == "none" and c.executor_peak_bytes * _CHECKED_AT_LEAST > limit:
-            # No recomputation, over the limit even at the least share of its prediction
-            # a check has come to: not checked (a compiled step, likely out of memory).
-            # Rows that recompute are searched by checks (`_checked_fit`) however high their
-            # prediction: XLA can keep much less than the executor's prediction there.
-            why = (f"predicted {c.executor_peak_bytes / 2**30:,.2f} GiB, over the limit "
-                   f"({limit / 2**30:,.2f} GiB) even at {_CHECKED_AT_LEAST:.0%} of that")
-        else:
-            why = None
+        why = _not_checked(c, limit)
         if why is not None:
-            c.fits, c.not_checked = False, why
-            log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, {why}")
+            _leave(c, why, log)
             continue
-        keras.config.set_dtype_policy(c.precision)
-        if c.remat == "fit" and not _checked_fit(c, checker, limit):
+        if checker.exact and c.remat == "none" and c.executor_peak_bytes > _DEFERRED_OVER * limit:
+            deferred.append(c)
             continue
-        if c.remat == "least":
-            _checked_least(c, checker, limit)
-        elif c.remat == "none":
-            _check(c, checker, limit)
+        if deferred and c.remat != "none":  # no check without recomputation to scale them by
+            found, deferred = _first_checked(deferred, checker, limit), []
+            if found is not None:
+                return found
+        _checked(c, checker, limit)
+        if deferred:
+            found, deferred = _scaled_checks(deferred, c, checker, limit, log), []
+            if found is not None:
+                return found
+        if c.fits:
+            return c
+    return _first_checked(deferred, checker, limit)
+
+
+def _not_checked(c, limit):
+    """Why `c` is left unchecked, its prediction alone saying it does not fit, or None."""
+    resident = c._planning[3]
+    if resident > limit:
+        # Variables, optimizer state, batch (and accumulators) alone
+        # are over the limit: no step fits, so none is checked.
+        return (f"its variables, optimizer state and batch alone ({resident / 2**20:,.1f} MiB) "
+                f"are over the limit ({limit / 2**20:,.1f} MiB)")
+    if c.remat == "none" and c.executor_peak_bytes * _CHECKED_AT_LEAST > limit:
+        # No recomputation, over the limit even at the least share of its prediction
+        # a check has come to: not checked (a compiled step, likely out of memory).
+        # Rows that recompute are searched by checks (`_checked_fit`) however high their
+        # prediction: XLA can keep much less than the executor's prediction there.
+        return (f"predicted {c.executor_peak_bytes / 2**30:,.2f} GiB, over the limit "
+                f"({limit / 2**30:,.2f} GiB) even at {_CHECKED_AT_LEAST:.0%} of that")
+    return None
+
+
+def _leave(c, why, log):
+    c.fits, c.not_checked = False, why
+    log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, {why}")
+
+
+def _checked(c, checker, limit):
+    """Checks `c` (a "fit" or "least" row by a search of checked choices); c.fits says the result."""
+    keras.config.set_dtype_policy(c.precision)
+    if c.remat == "fit":
+        _checked_fit(c, checker, limit)
+    elif c.remat == "least":
+        _checked_least(c, checker, limit)
+    else:
+        _check(c, checker, limit)
+
+
+def _first_checked(configurations, checker, limit):
+    """The first of `configurations` that fits once checked, or None."""
+    for c in configurations:
+        _checked(c, checker, limit)
+        if c.fits:
+            return c
+    return None
+
+
+def _scaled_checks(deferred, checked, checker, limit, log):
+    """The first of `deferred` (configurations without recomputation, with
+    more rows than `checked`, one without recomputation just checked) that
+    fits: each is checked only where `checked`'s peak, scaled by the two
+    predictions, leaves it within the limit (at `_SCALED_SHARE`); None if none
+    fits."""
+    for c in deferred:
+        if not checked.fits:
+            _leave(c, f"predicted {c.executor_peak_bytes / 2**30:,.2f} GiB, and micro-batch "
+                      f"{checked.micro_batch_size or '-'}, with fewer rows, checked over the limit", log)
+            continue
+        scaled = checked.predicted_peak_bytes * c.executor_peak_bytes / checked.executor_peak_bytes
+        if scaled * _SCALED_SHARE > limit:
+            _leave(c, f"predicted {c.executor_peak_bytes / 2**30:,.2f} GiB, {scaled / 2**30:,.2f} GiB "
+                      f"scaled by micro-batch {checked.micro_batch_size or '-'}'s check "
+                      f"({checked.predicted_peak_bytes / 2**30:,.2f} GiB of "
+                      f"{checked.executor_peak_bytes / 2**30:,.2f} predicted): over the limit "
+                      f"({limit / 2**30:,.2f} GiB) even at {_SCALED_SHARE:.0%} of that", log)
+            continue
+        _checked(c, checker, limit)
         if c.fits:
             return c
     return None
