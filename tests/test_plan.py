@@ -635,6 +635,21 @@ def test_a_waiting_slice_is_checked_before_a_recomputing_one(monkeypatch):
     assert checks.done == [128] and done == [] and chosen is rows[0]
 
 
+def test_a_fit_row_whose_search_found_nothing_is_not_taken(monkeypatch):
+    """A "fit" row whose checked search found no choice within the limit is
+    passed over, even where the check of its own choice came within it."""
+    from kvram.remat import _order
+
+    def search_found_nothing(c, checker, limit):
+        c.fits = True  # its own choice's check, made when the search found nothing
+        return False
+
+    monkeypatch.setattr(_order, "_checked_fit", search_found_nothing)
+    rows = _rows((None, "fit", 150), (64, "none", 90))
+    checks = _Checks({64: 40})
+    assert _order._first_that_fits(rows, checks, 256, 100 * _U, lambda line: None) is rows[1]
+
+
 def test_estimate_check_at_is_validated():
     with pytest.raises(ValueError, match=r'check_at must be "auto", "batch" or "probes". Received: check_at=\'all\''):
         remat.estimate(small_model, 16, memory_bytes=2**30, check_at="all")

@@ -76,12 +76,12 @@ def _first_that_fits(configurations, checker, batch_size, limit, log):
             found, deferred = _first_checked(deferred, checker, limit), []
             if found is not None:
                 return found
-        _checked(c, checker, limit)
+        fits = _checked(c, checker, limit)
         if deferred:
             found, deferred = _scaled_checks(deferred, c, checker, limit, log), []
             if found is not None:
                 return found
-        if c.fits:
+        if fits:
             return c
     return _first_checked(deferred, checker, limit)
 
@@ -109,22 +109,25 @@ def _leave(c, why, log):
     log(f"{c.precision}: micro-batch {c.micro_batch_size or '-'}, remat {c.remat}: not checked, {why}")
 
 
-def _checked(c, checker, limit):
-    """Checks `c` (a "fit" or "least" row by a search of checked choices); c.fits says the result."""
+def _checked(c, checker, limit) -> bool:
+    """Checks `c` (a "fit" or "least" row by a search of checked choices):
+    whether it fits, to be taken."""
     keras.config.set_dtype_policy(c.precision)
     if c.remat == "fit":
-        _checked_fit(c, checker, limit)
-    elif c.remat == "least":
+        # a search that found no choice within the limit is not taken, whatever
+        # the check of the row's own choice then says
+        return _checked_fit(c, checker, limit) and c.fits
+    if c.remat == "least":
         _checked_least(c, checker, limit)
     else:
         _check(c, checker, limit)
+    return c.fits
 
 
 def _first_checked(configurations, checker, limit):
     """The first of `configurations` that fits once checked, or None."""
     for c in configurations:
-        _checked(c, checker, limit)
-        if c.fits:
+        if _checked(c, checker, limit):
             return c
     return None
 
@@ -148,8 +151,7 @@ def _scaled_checks(deferred, checked, checker, limit, log):
                       f"{checked.executor_peak_bytes / 2**30:,.2f} predicted): over the limit "
                       f"({limit / 2**30:,.2f} GiB) even at {_SCALED_SHARE:.0%} of that", log)
             continue
-        _checked(c, checker, limit)
-        if c.fits:
+        if _checked(c, checker, limit):
             return c
     return None
 
