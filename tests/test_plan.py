@@ -555,10 +555,8 @@ class _Checks:
 
     def at(self, rows):
         def check(runs):
-            from kvram._plan_process import _OutOfMemory
-
             self.done.append(rows)
-            return _OutOfMemory(30 * _U) if self.peaks[rows] == "oom" else self.peaks[rows] * _U
+            return _plan_process._OutOfMemory(30 * _U) if self.peaks[rows] == "oom" else self.peaks[rows] * _U
 
         return check
 
@@ -566,11 +564,9 @@ class _Checks:
 def _rows(*rows):
     """Configurations (micro-batch size or None, remat, executor's predicted
     total in _U), 10 _U resident each, in the order of preference."""
-    from kvram.remat._estimate import Configuration
-
     made = []
     for i, (micro, how, predicted) in enumerate(rows):
-        c = Configuration("float32", micro, how, predicted * _U, 1.0 + 0.1 * i, predicted <= 100,
+        c = remat.Configuration("float32", micro, how, predicted * _U, 1.0 + 0.1 * i, predicted <= 100,
                           executor_peak_bytes=predicted * _U)
         c._planning = (None, None, None, 10 * _U, micro or 256)
         made.append(c)

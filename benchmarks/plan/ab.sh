@@ -9,8 +9,8 @@ root=$(pwd)
 base=$(cd "${BASE:?BASE: the older checkout}" && pwd)
 res=$OUT/ab; mkdir -p "$res"
 (cd "$base" && source /tmp/tf-env.sh && python3 -c "import kvram; print('base kvram at', kvram.__file__)")
+new=${NEW:-new}
 for m in "$@"; do
-  new=${NEW:-new}
   if [ "${ORDER:-}" = reverse ]; then sides="$new base"; else sides="base $new"; fi
   for side in $sides; do
     if [ "$side" = base ]; then dir=$base; else dir=$root; fi
