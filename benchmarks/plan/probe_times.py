@@ -65,6 +65,7 @@ def main(argv=None):
     record = {"model": args.model, "device": device, "segments": len(chain),
               "import_seconds": imported, "build_seconds": time.perf_counter() - started,
               "grappler": args.grappler, "TF_CUDNN_USE_AUTOTUNE": os.environ.get("TF_CUDNN_USE_AUTOTUNE"),
+              "TF_CUDNN_USE_FRONTEND": os.environ.get("TF_CUDNN_USE_FRONTEND"),
               "probes": []}
     rng = np.random.default_rng(0)
     batches = [(tf.constant(rng.random((rows, args.size, args.size, 3)).astype("float32")),
