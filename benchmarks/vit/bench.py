@@ -141,6 +141,16 @@ CONFIGS = {
     # above keep its chunked attention
     "kvram_cudnn_nockpt": ("tf", dict(_CUDNN, checkpoint=False)),
     "kvram_cudnn_lean_nockpt": ("tf", dict(_CUDNN, checkpoint=False, lean=True)),
+    # XLA rewrites not tried before, each beside cuBLASLt: LayerNormalization patterns as cuDNN's norm
+    # kernels (CudnnNormRewriter), and normalization-like fusions as Triton block-level fusions
+    "kvram_cudnn_lean_nockpt_cudnn_ln": (
+        "tf", dict(_CUDNN, checkpoint=False, lean=True,
+                   xla_flags=_CUDNN["xla_flags"] + " --xla_gpu_enable_cudnn_layer_norm=true")
+    ),
+    "kvram_cudnn_lean_nockpt_block_level": (
+        "tf", dict(_CUDNN, checkpoint=False, lean=True,
+                   xla_flags=_CUDNN["xla_flags"] + " --xla_gpu_experimental_enable_fusion_block_level_rewriter=true")
+    ),
     "kvram_cudnn_ckpt": ("tf", dict(_CUDNN, checkpoint=True)),
     # without batches prefetched to the GPU: two fewer batches held (0.29 GiB at batch 256)
     "kvram_cudnn_ckpt_noprefetch": ("tf", dict(_CUDNN, checkpoint=True, prefetch=None)),
