@@ -157,6 +157,7 @@ def test_keras_masks_carried_by_the_inputs():
     compare(mha, mea, q, v, False, 1e-5, value_mask=tf.constant(value_mask))
 
 
+@pytest.mark.slow  # 7.1 s in a 2-core `pytest -m "not slow"` run
 def test_peak_memory_at_4096_is_a_fraction_of_multi_head_attention():
     keras.utils.set_random_seed(0)
     t = 4096
