@@ -567,7 +567,7 @@ def _rows(*rows):
     made = []
     for i, (micro, how, predicted) in enumerate(rows):
         c = remat.Configuration("float32", micro, how, predicted * _U, 1.0 + 0.1 * i, predicted <= 100,
-                          executor_peak_bytes=predicted * _U)
+                                executor_peak_bytes=predicted * _U)
         c._planning = (None, None, None, 10 * _U, micro or 256)
         made.append(c)
     return made

@@ -13,14 +13,17 @@ export TF_CUDNN_USE_AUTOTUNE=0
 here=$(dirname "$0")
 out=${OUT:-/tmp}/frontend
 mkdir -p "$out"
+frontend_as() {  # 0: TensorFlow's legacy cuDNN API; default: its own choice
+  if [ "$1" = 0 ]; then export TF_CUDNN_USE_FRONTEND=0; else unset TF_CUDNN_USE_FRONTEND; fi
+}
 for frontend in default 0; do
-  if [ "$frontend" = 0 ]; then export TF_CUDNN_USE_FRONTEND=0; else unset TF_CUDNN_USE_FRONTEND; fi
+  frontend_as "$frontend"
   for route in depthwise grouped; do
     python3 "$here/first_grads.py" --route "$route" --dtype bfloat16 --out "$out/first_grads_${route}_$frontend.json" 2> "$out/first_grads_${route}_$frontend.err" | cut -c1-400
   done
 done
 for frontend in 0 default; do
-  if [ "$frontend" = 0 ]; then export TF_CUDNN_USE_FRONTEND=0; else unset TF_CUDNN_USE_FRONTEND; fi
+  frontend_as "$frontend"
   python3 "$here/probe_times.py" --model ConvNeXtSmall --rows 16 32 --out "$out/probe_convnext_$frontend.json" 2> "$out/probe_convnext_$frontend.err" | cut -c1-200
   python3 "$here/probe_times.py" --model ResNet50 --rows 32 64 --out "$out/probe_resnet50_$frontend.json" 2> "$out/probe_resnet50_$frontend.err" | cut -c1-200
 done
