@@ -207,16 +207,27 @@ def _kept_checks(path: str) -> CheckStore:
 # GiB against 8.75 (benchmarks/results/plan_minute_h200/README.md).
 UNTUNED = "--xla_gpu_autotune_level=0"
 
-# Two more XLA flags that shorten a check's compile, each added unless XLA_FLAGS
-# names it: LLVM without its expensive passes, and dots as cuBLAS calls instead
-# of Triton GEMM fusions (each a Triton, LLVM and PTX compile of its own). On
-# one H200, two runs each against the default in turn, checks at autotuning
-# level 0: ConvNeXtSmall's took 48.8 and 52.3 s against 63.2 and 59.1 s (step
-# peak 8.75 GiB against 8.72; 8.75 autotuned, as training compiles it),
-# ResNet50's 36.1 and 39.6 s against 41.1 and 39.1 s (4.71 GiB each), ViT-B's
-# two 38.5 s against 45.7 s in one run (6.04 GiB against 6.12)
-# (benchmarks/results/plan_minute_h200/README.md, 2026-11-28).
-QUICK_COMPILE = ("--xla_llvm_disable_expensive_passes=true", "--xla_gpu_enable_triton_gemm=false")
+# Three more XLA flags that shorten a check's compile, each added unless XLA_FLAGS
+# names it: LLVM without its expensive passes, dots as cuBLAS calls instead of
+# Triton GEMM fusions (each a Triton, LLVM and PTX compile of its own), and no
+# Triton normalization fusions. On one H200, two runs each against the default
+# in turn, checks at autotuning level 0: ConvNeXtSmall's took 48.8 and 52.3 s
+# against 63.2 and 59.1 s with the first two (step peak 8.75 GiB against 8.72;
+# 8.75 autotuned, as training compiles it), ResNet50's 36.1 and 39.6 s against
+# 41.1 and 39.1 s (4.71 GiB each), ViT-B's two 38.5 s against 45.7 s in one run
+# (6.04 GiB against 6.12). The third: of the 33.3 s of HLO passes of
+# ConvNeXtSmall's check, XLA's priority fusion took 28.5 s in its one call on
+# the step. `triton-softmax-rewriter` makes normalizations (LayerNorm) Triton
+# fusions (it compiled 42 candidate modules of its own there), and priority
+# fusion searches Triton tilings for every producer or consumer of one
+# (xla/service/gpu/transforms/priority_fusion.cc, `CanFuseTriton`). Without
+# that pass priority fusion took 1.8 s, the check 20.7 s against 52.7 s, its
+# step peaked at 8.76 GiB against 8.75, and the recommendation, trained, at
+# 9.70 GiB (9.72 predicted). ResNet50's check peaked the same (4.72 GiB), ViT-B's at 5.99 GiB
+# (6.04 in earlier runs) (benchmarks/results/plan_minute_h200/README.md,
+# 2026-11-28). XLA_FLAGS naming `--xla_disable_hlo_passes` keep their own list.
+QUICK_COMPILE = ("--xla_llvm_disable_expensive_passes=true", "--xla_gpu_enable_triton_gemm=false",
+                 "--xla_disable_hlo_passes=triton-softmax-rewriter")
 
 
 # TensorFlow's executor, on which the cut-by-cut measurement runs, likewise times

@@ -743,7 +743,8 @@ def test_least_out_of_memory_says_nothing_fits(monkeypatch):
         remat.plan(small_model(), (x, np.arange(16) % 10))
 
 
-_QUICK = "--xla_llvm_disable_expensive_passes=true --xla_gpu_enable_triton_gemm=false"
+_QUICK = ("--xla_llvm_disable_expensive_passes=true --xla_gpu_enable_triton_gemm=false "
+          "--xla_disable_hlo_passes=triton-softmax-rewriter")
 
 
 @pytest.mark.parametrize("given, expected", [
@@ -752,7 +753,12 @@ _QUICK = "--xla_llvm_disable_expensive_passes=true --xla_gpu_enable_triton_gemm=
     ("--xla_gpu_autotune_level=2", f"--xla_gpu_autotune_level=2 {_QUICK}"),  # the user's level stays
     # and so does the user's setting of either compile flag
     ("--xla_gpu_enable_triton_gemm=true",
-     "--xla_gpu_enable_triton_gemm=true --xla_gpu_autotune_level=0 --xla_llvm_disable_expensive_passes=true"),
+     "--xla_gpu_enable_triton_gemm=true --xla_gpu_autotune_level=0 --xla_llvm_disable_expensive_passes=true "
+     "--xla_disable_hlo_passes=triton-softmax-rewriter"),
+    # a user's own list of passes to skip is left as it is
+    ("--xla_disable_hlo_passes=algsimp",
+     "--xla_disable_hlo_passes=algsimp --xla_gpu_autotune_level=0 --xla_llvm_disable_expensive_passes=true "
+     "--xla_gpu_enable_triton_gemm=false"),
     (f"--xla_gpu_autotune_level=1 {_QUICK}", f"--xla_gpu_autotune_level=1 {_QUICK}"),
     # a flag whose name only begins with one of them names another flag
     ("--xla_gpu_enable_triton_gemm_any=true", f"--xla_gpu_enable_triton_gemm_any=true --xla_gpu_autotune_level=0 {_QUICK}"),

@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "if a signal kills it (TensorFlow can abort after a GPU step out of "
                               "memory), its checks compiled without XLA's autotuning "
                               "(--xla_gpu_autotune_level=0 unless XLA_FLAGS sets a level), without LLVM's "
-                              "expensive passes and Triton GEMMs (unless XLA_FLAGS names them), and "
+                              "expensive passes, Triton GEMMs and Triton normalization fusions (unless "
+                              "XLA_FLAGS names those flags), and "
                               "--measure in a second child, compiled as training will be; auto: "
                               "when a GPU is present")
     planner.add_argument("--plan-child", default=None, help=argparse.SUPPRESS)  # set by --isolate's parent
