@@ -12,6 +12,7 @@
 #   FLAGS=--xla_gpu_enable_priority_fusion=false NAME=no_priority_fusion bash benchmarks/plan/check_passes.sh convnext_small
 set -u
 here=$(dirname "$0")
+source "$here/issue_models.sh"
 source /tmp/tf-env.sh || exit 1
 out=${OUT:-/tmp/plan_passes}
 mkdir -p "$out"
@@ -20,12 +21,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$summary"
 variants=(default)
 [ -n "${FLAGS:-}" ] && variants+=("${NAME:-flags}")
 for name in "$@"; do
-  case $name in
-    resnet50) args=(--model ResNet50 --input-shape 224,224,3 --batch-size 256 --gpu-memory 8GB) ;;
-    vit_b16) args=(--model models.vit:vit_b16_plain --batch-size 256 --gpu-memory 12GB) ;;
-    convnext_small) args=(--model ConvNeXtSmall --input-shape 224,224,3 --batch-size 128 --gpu-memory 12GB) ;;
-    *) echo "unknown model $name (resnet50, vit_b16, convnext_small)"; exit 2 ;;
-  esac
+  plan_args "$name" || exit 2
   for variant in "${variants[@]}"; do
     flags=${XLA_FLAGS:-}
     [ "$variant" != default ] && flags=$FLAGS

@@ -7,6 +7,7 @@
 #   bash benchmarks/plan/minute.sh resnet50 vit_b16 convnext_small [--measure]
 #   TAG=parallel XLA_FLAGS=... bash benchmarks/plan/minute.sh resnet50   # files named *_parallel
 set -u
+source "$(dirname "$0")/issue_models.sh"
 source /tmp/tf-env.sh || exit 1
 # as a user runs it: tf-env.sh sets TF_CPP_MIN_LOG_LEVEL, which kvram leaves to the user (kvram/_quiet.py)
 unset TF_CPP_MIN_LOG_LEVEL
@@ -18,12 +19,7 @@ extra=()
 names=()
 for a in "$@"; do [ "${a#--}" != "$a" ] && extra+=("$a") || names+=("$a"); done
 for name in "${names[@]}"; do
-  case $name in
-    resnet50) args=(--model ResNet50 --input-shape 224,224,3 --batch-size 256 --gpu-memory 8GB) ;;
-    vit_b16) args=(--model models.vit:vit_b16_plain --batch-size 256 --gpu-memory 12GB) ;;
-    convnext_small) args=(--model ConvNeXtSmall --input-shape 224,224,3 --batch-size 128 --gpu-memory 12GB) ;;
-    *) echo "unknown model $name (resnet50, vit_b16, convnext_small)"; exit 2 ;;
-  esac
+  plan_args "$name" || exit 2
   tag=$name${extra[*]:+_measure}${TAG:+_$TAG}  # TAG: a label for runs under other XLA_FLAGS
   command=(python3 -m kvram plan "${args[@]}" --classes 1000 --limit-gpu "${extra[@]}" --json "$out/plan_$tag.json")
   start=$(date +%s.%N)
