@@ -1,0 +1,95 @@
+"""Where `kvram plan`'s XLA check of a step spends its time: the trace, the
+first call (conversion to HLO, XLA's compile and the first run) and the calls
+after it, of the check's training step (`kvram.remat._check._training_step`,
+without recomputation, jit-compiled) for a `keras.applications` model under
+`mixed_bfloat16`, timed apart, each call waited for. Run with the XLA flags the
+estimate's process compiles its checks with (`kvram._plan_process`: the
+user's XLA_FLAGS plus autotuning off and the quick-compile flags) unless
+`--as-given`:
+
+    source /tmp/tf-env.sh   # on the GPU machine (../shared/gpu/README.md)
+    python3 benchmarks/plan/check_first_runs.py --model ResNet50 --rows 128 [--out runs.json]
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1 python3 benchmarks/plan/check_first_runs.py ...
+
+With the second form XLA logs RunHloPasses and RunBackend with their times:
+the first call less those is the conversion and the first run. `--rows-before`
+runs the step at other rows first (each a compile and a first run of its own),
+as a check follows the probes' sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="ResNet50", help="a keras.applications name")
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--rows-before", type=int, nargs="*", default=[])
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--as-given", action="store_true", help="XLA_FLAGS as they are")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    if not args.as_given:
+        from kvram import _plan_process
+
+        os.environ.update(_plan_process.checking_environment())
+    flags = os.environ.get("XLA_FLAGS", "")
+
+    import keras
+    import tensorflow as tf
+
+    from kvram import memory
+    from kvram.remat._check import _loss_function, _training_step
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = getattr(keras.applications, args.model)(
+        weights=None, input_shape=(args.size, args.size, 3), classes=1000)
+    device = memory._device_name(None)
+
+    def batch(rows):
+        return (tf.random.uniform((rows, args.size, args.size, 3)), tf.zeros((rows,), "int64"))
+
+    x, y = batch(args.rows)
+    step = _training_step(model, x, y, _loss_function(model, "sparse_categorical_crossentropy"), True)
+    start = time.perf_counter()
+    step.get_concrete_function()
+    traced = time.perf_counter() - start
+
+    def timed_calls(x, y, n):
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            gradients = step(x, y)
+            float(tf.reduce_sum(tf.cast(gradients[-1], "float32")))  # waits for the step
+            del gradients
+            times.append(round(time.perf_counter() - start, 3))
+        return times
+
+    before = {str(rows): timed_calls(*batch(rows), 2) for rows in args.rows_before}
+    memory.reset_peak(device)
+    calls = timed_calls(x, y, args.calls)
+    report = {
+        "model": args.model, "rows": args.rows, "size": args.size, "policy": "mixed_bfloat16",
+        "device": device, "xla_flags": flags, "trace_s": round(traced, 2),
+        "calls_before_s": before, "calls_s": calls,
+        "peak_gib": round(memory.peak_bytes(device) / 2**30, 3),
+        "tensorflow": tf.__version__, "keras": keras.__version__, "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
