@@ -223,9 +223,10 @@ UNTUNED = "--xla_gpu_autotune_level=0"
 # (xla/service/gpu/transforms/priority_fusion.cc, `CanFuseTriton`). Without
 # that pass priority fusion took 1.8 s, the check 20.7 s against 52.7 s, its
 # step peaked at 8.76 GiB against 8.75, and the recommendation, trained, at
-# 9.70 GiB (9.72 predicted). ResNet50's check peaked the same (4.72 GiB), ViT-B's at 5.99 GiB
-# (6.04 in earlier runs) (benchmarks/results/plan_minute_h200/README.md,
-# 2026-11-28). XLA_FLAGS naming `--xla_disable_hlo_passes` keep their own list.
+# 9.70 GiB (9.72 predicted). ResNet50's check peaked the same (4.72 GiB),
+# ViT-B's at 5.99 GiB (6.04 in earlier runs)
+# (benchmarks/results/plan_minute_h200/README.md, 2026-11-28). XLA_FLAGS
+# naming `--xla_disable_hlo_passes` keep their own list.
 QUICK_COMPILE = ("--xla_llvm_disable_expensive_passes=true", "--xla_gpu_enable_triton_gemm=false",
                  "--xla_disable_hlo_passes=triton-softmax-rewriter")
 

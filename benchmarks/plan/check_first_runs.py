@@ -22,8 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+import common  # noqa: E402
 
 
 def main() -> None:
@@ -43,22 +47,12 @@ def main() -> None:
         os.environ.update(_plan_process.checking_environment())
     flags = os.environ.get("XLA_FLAGS", "")
 
-    import keras
     import tensorflow as tf
 
     from kvram import memory
-    from kvram.remat._check import _loss_function, _training_step
 
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    model = getattr(keras.applications, args.model)(
-        weights=None, input_shape=(args.size, args.size, 3), classes=1000)
+    model, step, x, y = check_step(args.model, args.size, args.rows)
     device = memory._device_name(None)
-
-    def batch(rows):
-        return (tf.random.uniform((rows, args.size, args.size, 3)), tf.zeros((rows,), "int64"))
-
-    x, y = batch(args.rows)
-    step = _training_step(model, x, y, _loss_function(model, "sparse_categorical_crossentropy"), True)
     start = time.perf_counter()
     step.get_concrete_function()
     traced = time.perf_counter() - start
@@ -73,23 +67,44 @@ def main() -> None:
             times.append(round(time.perf_counter() - start, 3))
         return times
 
-    before = {str(rows): timed_calls(*batch(rows), 2) for rows in args.rows_before}
+    before = {str(rows): timed_calls(*batch(rows, args.size), 2) for rows in args.rows_before}
     memory.reset_peak(device)
     calls = timed_calls(x, y, args.calls)
-    report = {
+    report({
         "model": args.model, "rows": args.rows, "size": args.size, "policy": "mixed_bfloat16",
         "device": device, "xla_flags": flags, "trace_s": round(traced, 2),
         "calls_before_s": before, "calls_s": calls,
         "peak_gib": round(memory.peak_bytes(device) / 2**30, 3),
-        "tensorflow": tf.__version__, "keras": keras.__version__, "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    }, args.out)
 
+
+def batch(rows, size):
+    """A batch of `rows` random images of size x size and their labels."""
+    import tensorflow as tf
+
+    return tf.random.uniform((rows, size, size, 3)), tf.zeros((rows,), "int64")
+
+
+def check_step(name, size, rows):
+    """(model, step, x, y): the `keras.applications` model `name` under
+    `mixed_bfloat16`, the step `kvram plan`'s XLA check runs of it without
+    recomputation (not yet traced), and a batch of `rows`."""
+    import keras
+
+    from kvram.remat._check import _loss_function, _training_step
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=1000)
+    x, y = batch(rows, size)
+    return model, _training_step(model, x, y, _loss_function(model, "sparse_categorical_crossentropy"), True), x, y
+
+
+def report(record, out):
+    """Prints `record`, and writes it to `out` if given, with what
+    `common.write_record` adds (the command, versions, CPUs, date)."""
+    print(json.dumps(record, indent=1))
+    if out:
+        common.write_record(out, record)
 
 if __name__ == "__main__":
     main()

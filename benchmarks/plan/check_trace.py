@@ -14,10 +14,10 @@ nothing again), with the HLO text's length.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
+import importlib
 import time
+
+from check_first_runs import check_step, report  # this folder, the script's own
 
 
 def main() -> None:
@@ -28,37 +28,22 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    import keras
-    import tensorflow as tf
+    importlib.import_module("keras")  # imported before the build's clock starts
 
-    from kvram.remat._check import _loss_function, _training_step
-
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
     start = time.perf_counter()
-    model = getattr(keras.applications, args.model)(
-        weights=None, input_shape=(args.size, args.size, 3), classes=1000)
+    model, step, x, y = check_step(args.model, args.size, args.rows)
     built = time.perf_counter() - start
-    x = tf.random.uniform((args.rows, args.size, args.size, 3))
-    y = tf.zeros((args.rows,), "int64")
-    step = _training_step(model, x, y, _loss_function(model, "sparse_categorical_crossentropy"), True)
     start = time.perf_counter()
     step.get_concrete_function()
     traced = time.perf_counter() - start
     start = time.perf_counter()
     hlo = step.experimental_get_compiler_ir(x, y)(stage="hlo")
     converted = time.perf_counter() - start
-    report = {
+    report({
         "model": args.model, "rows": args.rows, "size": args.size, "policy": "mixed_bfloat16",
         "build_s": round(built, 2), "trace_s": round(traced, 2), "to_hlo_s": round(converted, 2),
         "hlo_chars": len(hlo), "tracing_count": step.experimental_get_tracing_count(),
-        "tensorflow": tf.__version__, "keras": keras.__version__, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-    }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    }, args.out)
 
 
 if __name__ == "__main__":
