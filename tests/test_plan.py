@@ -751,7 +751,7 @@ _QUICK = ("--xla_llvm_disable_expensive_passes=true --xla_gpu_enable_triton_gemm
     (None, f"--xla_gpu_autotune_level=0 {_QUICK}"),
     ("--xla_gpu_enable_cublaslt=true", f"--xla_gpu_enable_cublaslt=true --xla_gpu_autotune_level=0 {_QUICK}"),
     ("--xla_gpu_autotune_level=2", f"--xla_gpu_autotune_level=2 {_QUICK}"),  # the user's level stays
-    # and so does the user's setting of either compile flag
+    # and so does the user's setting of any of the compile flags
     ("--xla_gpu_enable_triton_gemm=true",
      "--xla_gpu_enable_triton_gemm=true --xla_gpu_autotune_level=0 --xla_llvm_disable_expensive_passes=true "
      "--xla_disable_hlo_passes=triton-softmax-rewriter"),
