@@ -20,6 +20,7 @@ as a check follows the probes' sizes.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -53,18 +54,21 @@ def main() -> None:
 
     model, step, x, y = check_step(args.model, args.size, args.rows)
     device = memory._device_name(None)
+    mark("trace")
     start = time.perf_counter()
     step.get_concrete_function()
     traced = time.perf_counter() - start
 
     def timed_calls(x, y, n):
         times = []
-        for _ in range(n):
+        for i in range(n):
+            mark(f"call {i + 1} of {n} at {_rows(x)} rows")
             start = time.perf_counter()
             gradients = step(x, y)
             float(tf.reduce_sum(tf.cast(gradients[-1], "float32")))  # waits for the step
             del gradients
             times.append(round(time.perf_counter() - start, 3))
+        mark("calls done")
         return times
 
     before = {str(rows): timed_calls(*batch(rows, args.size), 2) for rows in args.rows_before}
@@ -76,6 +80,16 @@ def main() -> None:
         "calls_before_s": before, "calls_s": calls,
         "peak_gib": round(memory.peak_bytes(device) / 2**30, 3),
     }, args.out)
+
+
+def mark(what):
+    """A line on stderr stamped like TensorFlow's log lines, for
+    `log_gaps.py` to split the log by call."""
+    print(f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S.%f}: MARK {what}", file=sys.stderr, flush=True)
+
+
+def _rows(x):
+    return int(x.shape[0])
 
 
 def batch(rows, size):

@@ -151,6 +151,11 @@ CONFIGS = {
         "tf", dict(_CUDNN, checkpoint=False, lean=True,
                    xla_flags=_CUDNN["xla_flags"] + " --xla_gpu_experimental_enable_fusion_block_level_rewriter=true")
     ),
+    # cuDNN's GEMM fusions as candidates of XLA's GEMM fusion autotuner (Hopper, cuDNN 9), levels 1 and 3
+    **{f"kvram_cudnn_lean_nockpt_cudnn_gemm{level}": (
+        "tf", dict(_CUDNN, checkpoint=False, lean=True,
+                   xla_flags=_CUDNN["xla_flags"] + f" --xla_gpu_cudnn_gemm_fusion_level={level}")
+    ) for level in (1, 3)},
     "kvram_cudnn_ckpt": ("tf", dict(_CUDNN, checkpoint=True)),
     # without batches prefetched to the GPU: two fewer batches held (0.29 GiB at batch 256)
     "kvram_cudnn_ckpt_noprefetch": ("tf", dict(_CUDNN, checkpoint=True, prefetch=None)),
