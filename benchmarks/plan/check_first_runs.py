@@ -60,25 +60,30 @@ def main() -> None:
     traced = time.perf_counter() - start
 
     def timed_calls(x, y, n):
-        times = []
+        """[seconds], [peak bytes beyond the call's start] of n calls"""
+        times, peaks = [], []
         for i in range(n):
             mark(f"call {i + 1} of {n} at {_rows(x)} rows")
+            memory.collect_garbage()
+            memory.reset_peak(device)
+            at = memory.current_bytes(device)
             start = time.perf_counter()
             gradients = step(x, y)
             float(tf.reduce_sum(tf.cast(gradients[-1], "float32")))  # waits for the step
+            peaks.append(memory.peak_bytes(device) - at)
             del gradients
             times.append(round(time.perf_counter() - start, 3))
         mark("calls done")
-        return times
+        return times, peaks
 
-    before = {str(rows): timed_calls(*batch(rows, args.size), 2) for rows in args.rows_before}
-    memory.reset_peak(device)
-    calls = timed_calls(x, y, args.calls)
+    before = {str(rows): timed_calls(*batch(rows, args.size), 2)[0] for rows in args.rows_before}
+    calls, peaks = timed_calls(x, y, args.calls)
     report({
         "model": args.model, "rows": args.rows, "size": args.size, "policy": "mixed_bfloat16",
         "device": device, "xla_flags": flags, "trace_s": round(traced, 2),
         "calls_before_s": before, "calls_s": calls,
-        "peak_gib": round(memory.peak_bytes(device) / 2**30, 3),
+        # each call's peak beyond what was allocated before it, the first (compiling) one included
+        "call_peaks_bytes": peaks, "peak_gib": round(max(peaks) / 2**30, 3),
     }, args.out)
 
 

@@ -17,6 +17,8 @@ import collections
 import datetime
 import re
 
+# absl's format (TensorFlow 2.21): "I0000 00:00:1795884347.276714     854 service.cc:153] ...", epoch seconds
+_ABSL = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:(\d+\.\d+)\s+\d+ (?P<file>[^:\s]+):\d+\] (?P<text>.*)")
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}): (?:MARK (?P<mark>.*)|\w (?P<file>[^:\s]+):\d+\] (?P<text>.*))")
 
 
@@ -26,12 +28,18 @@ def parse(path):
     with open(path, errors="replace") as f:
         for raw in f:
             m = _LINE.match(raw)
-            if not m:
-                continue
-            t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            if m:
+                t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            else:
+                m = _ABSL.match(raw)
+                if not m:
+                    continue
+                t = float(m.group(1))
+                m = {"mark": None, "file": m.group("file"), "text": m.group("text")}.get
             first = t if first is None else first
-            lines.append((t - first, m.group("mark"), (m.group("file") or "").rsplit("/", 1)[-1] or None,
-                          (m.group("mark") or m.group("text") or "").strip()))
+            get = m if callable(m) and not hasattr(m, "group") else m.group
+            lines.append((t - first, get("mark"), (get("file") or "").rsplit("/", 1)[-1] or None,
+                          (get("mark") or get("text") or "").strip()))
     return lines
 
 
