@@ -770,6 +770,49 @@ def test_plan_checks_compile_without_autotuning_unless_xla_flags_set_a_level(giv
     assert environ.get("XLA_FLAGS") == given  # the caller's mapping is left as it was
 
 
+@pytest.mark.parametrize("device, flags, expected", [
+    ("CPU:0", None, True),  # XLA on a CPU times no candidate kernels
+    ("GPU:0", None, False),  # XLA's default autotuning
+    ("GPU:0", "--xla_gpu_autotune_level=0", True),
+    ("GPU:0", f"--xla_gpu_autotune_level=0 {_QUICK}", True),  # as the estimate's child compiles
+    ("GPU:0", "--xla_gpu_autotune_level=1", False),
+    ("GPU:0", "--xla_gpu_autotune_level=0 --xla_gpu_autotune_level=4", False),  # XLA reads the last
+    ("GPU:0", "--xla_gpu_autotune_level_x=0", False),
+])
+def test_checks_measure_the_compiling_call_only_where_compiling_times_no_kernels(monkeypatch, device, flags,
+                                                                               expected):
+    from kvram.remat._check import _compiles_untuned
+
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    assert _compiles_untuned(device) is expected
+
+
+def test_an_xla_check_on_the_cpu_runs_the_step_once_and_measures_a_later_runs_peak():
+    # The compiling call's own run is measured (a second run costs a GPU without
+    # autotuning as much as the first): one call, and the peak of a run after it
+    import tensorflow as tf
+
+    from kvram.remat._check import _loss_function, _step_peak_or_raise, _training_step
+    from tests.helpers import run_with_peak
+
+    model = small_model()
+    x = tf.random.uniform((16, 32, 32, 3))
+    y = tf.zeros((16,), "int64")
+    step = _training_step(model, x, y, _loss_function(model, "sparse_categorical_crossentropy"), True)
+    calls = []
+
+    def counted(x, y=None):
+        calls.append(None)
+        return step(x, y)
+
+    checked = _step_peak_or_raise(model, counted, x, y, "CPU:0", True)
+    assert len(calls) == 1
+    assert checked == run_with_peak(step, x, y, warm=True)[1] > 0
+
+
 @pytest.mark.parametrize("given", [None, "0", "1"])
 def test_plan_measures_without_cudnn_autotuning_unless_it_is_set(given):
     environ = {"PATH": "/bin"} | ({"TF_CUDNN_USE_AUTOTUNE": given} if given is not None else {})

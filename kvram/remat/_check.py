@@ -109,12 +109,14 @@ class StageLog:
 def _step_check(model, chain, x, y, loss_fn, device, jit, log=None, steps=None):
     """A function of runs returning the measured peak (bytes beyond the step's
     start) of the training step of `model` with those runs recomputed, as it
-    will train: XLA-compiled (`jit`; one run after the compiling one: XLA
-    fixes its buffers at compile time) or on the graph executor (the highest
-    of three runs: its op order varies). Results are kept by runs; `log`, if
-    given, is called with a line for each new check. `steps`, a dict, keeps
-    each recomputation's model and traced step ({runs: (model, step)}): checks
-    at other rows given the same dict reuse them, traced once for any rows."""
+    will train: XLA-compiled (`jit`; one run after the compiling one, or the
+    compiling one's own where compiling allocates nothing on the device,
+    `_step_peak_or_raise`: XLA fixes its buffers at compile time) or on the
+    graph executor (the highest of three runs: its op order varies). Results
+    are kept by runs; `log`, if given, is called with a line for each new
+    check. `steps`, a dict, keeps each recomputation's model and traced step
+    ({runs: (model, step)}): checks at other rows given the same dict reuse
+    them, traced once for any rows."""
     done, settled_done = {}, {}
     steps = {} if steps is None else steps
 
@@ -229,6 +231,20 @@ def _step_peak_or_raise(model, step, x, y, device, jit) -> int:
     # 104.3-105.8 in 2 without a collection before each trace; 80.5-87.9 MiB in 10 of 10
     # with one (another plan of the same model; MobileNetV3Small: no difference).
     memory.collect_garbage()
+    if jit and _compiles_untuned(device):
+        # The compiling call's own run is the one measured: no kernel is timed while
+        # compiling, so nothing but the step's own buffers is allocated on the device
+        # (ResNet50, ConvNeXtTiny and MobileNetV3Small under XLA on the CPU: the first
+        # call's peak equals each later call's to the byte). A second run costs as much
+        # as the first on a GPU without autotuning: XLA then runs cuDNN's default
+        # convolution algorithms, and ResNet50's bfloat16 step at 128 rows took 9.4 s
+        # a run on an H200 against 25 ms autotuned (benchmarks/plan/first_run_log.sh).
+        memory.reset_peak(device)
+        start = memory.current_bytes(device)
+        gradients = step(x, y)  # compiles at new rows
+        peak = memory.peak_bytes(device) - start
+        del gradients
+        return peak
     gradients = step(x, y)  # traces (and compiles) the first time, compiles at new rows under XLA
     del gradients
     memory.reset_peak(device)
@@ -239,3 +255,15 @@ def _step_peak_or_raise(model, step, x, y, device, jit) -> int:
     peak = memory.peak_bytes(device) - start
     del gradients
     return peak
+
+
+def _compiles_untuned(device) -> bool:
+    """Whether XLA compiles for `device` without timing candidate kernels on
+    it: on a CPU, and on a GPU with autotuning off (`--xla_gpu_autotune_level=0`
+    in XLA_FLAGS, as `kvram plan`'s estimate sets, `_plan_process.UNTUNED`).
+    With autotuning, compiling allocates the candidates' buffers on the GPU."""
+    if memory._device_name(device).startswith("CPU"):
+        return True
+    levels = [flag.split("=", 1)[1] for flag in os.environ.get("XLA_FLAGS", "").split()
+              if flag.startswith("--xla_gpu_autotune_level=")]
+    return bool(levels) and levels[-1].strip() == "0"
