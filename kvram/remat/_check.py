@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras import tree
 
 from kvram import memory
-from kvram._plan_process import STARTED, _OutOfMemory
+from kvram._plan_process import STARTED, UNTUNED, _OutOfMemory
 from kvram.remat._profile import peak_steps, traced_for_any_rows
 from kvram.remat._segments import _groups, rebuild
 
@@ -231,22 +231,16 @@ def _step_peak_or_raise(model, step, x, y, device, jit) -> int:
     # 104.3-105.8 in 2 without a collection before each trace; 80.5-87.9 MiB in 10 of 10
     # with one (another plan of the same model; MobileNetV3Small: no difference).
     memory.collect_garbage()
-    if jit and _compiles_untuned(device):
-        # The compiling call's own run is the one measured: no kernel is timed while
-        # compiling, so nothing but the step's own buffers is allocated on the device
-        # (ResNet50, ConvNeXtTiny and MobileNetV3Small under XLA on the CPU: the first
-        # call's peak equals each later call's to the byte). A second run costs as much
-        # as the first on a GPU without autotuning: XLA then runs cuDNN's default
-        # convolution algorithms, and ResNet50's bfloat16 step at 128 rows took 9.4 s
-        # a run on an H200 against 25 ms autotuned (benchmarks/plan/first_run_log.sh).
-        memory.reset_peak(device)
-        start = memory.current_bytes(device)
-        gradients = step(x, y)  # compiles at new rows
-        peak = memory.peak_bytes(device) - start
+    if not (jit and _compiles_untuned(device)):
+        gradients = step(x, y)  # traces (and compiles) the first time, compiles at new rows under XLA
         del gradients
-        return peak
-    gradients = step(x, y)  # traces (and compiles) the first time, compiles at new rows under XLA
-    del gradients
+    # else the compiling call's own run is the one measured: no kernel is timed while
+    # compiling, so nothing but the step's own buffers is allocated on the device
+    # (ResNet50, ConvNeXtTiny and MobileNetV3Small under XLA on the CPU: the first call's
+    # peak equals each later call's to the byte, benchmarks/plan/compiling_call_peaks.py).
+    # A second run costs as much as the first on a GPU without autotuning: XLA then runs
+    # cuDNN's default convolution algorithms, and ResNet50's bfloat16 step at 128 rows
+    # took 9.4 s a run on an H200 against 25 ms autotuned (benchmarks/plan/first_run_log.sh).
     memory.reset_peak(device)
     start = memory.current_bytes(device)
     for _ in range(1 if jit else peak_steps()):
@@ -264,6 +258,6 @@ def _compiles_untuned(device) -> bool:
     With autotuning, compiling allocates the candidates' buffers on the GPU."""
     if memory._device_name(device).startswith("CPU"):
         return True
-    levels = [flag.split("=", 1)[1] for flag in os.environ.get("XLA_FLAGS", "").split()
-              if flag.startswith("--xla_gpu_autotune_level=")]
-    return bool(levels) and levels[-1].strip() == "0"
+    name = UNTUNED.split("=")[0]
+    levels = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag.split("=")[0] == name]
+    return bool(levels) and levels[-1] == UNTUNED
