@@ -236,7 +236,9 @@ def test_cli_plan_measure_leaves_out_plain_keras_estimated_out_of_memory(tmp_pat
     report = json.loads(out.read_text())
     plain = [c for c in report["configurations"] if c["micro_batch_size"] is None and c["remat"] == "none"]
     assert len(plain) == 1 and not plain[0]["fits"] and "over the limit" in plain[0]["not_checked"], plain
-    assert trained == [{"optimizer": "adam", "steps": 2, "plain": False}]
+    assert [{k: v for k, v in t.items() if k != "log"} for t in trained] == [
+        {"optimizer": "adam", "steps": 2, "plain": False}]
+    assert all(callable(t["log"]) for t in trained)
     assert "plain Keras not run (out of memory as estimated: predicted" in printed, printed
     assert report["measured"]["plain"]["peak_bytes"] is None and report["measured"]["samples_per_second"] > 0
 
@@ -995,6 +997,14 @@ def test_cli_plan_in_children_checks_untuned_and_measures_as_given(tmp_path, mon
     # the second process says what it trains while it does
     assert "s] --measure: training the recommendation (float32, micro-batch -, " in err, err[-3000:]
     assert "then plain Keras, for 2 steps after one that compiles" in err, err[-3000:]
+    # and how far it got: each model's compiled first step, then its steps, in that order
+    progress = [line.split("] ", 1)[1] for line in err.splitlines() if "] --measure: " in line][1:]
+    assert [line.split(",")[0] for line in progress] == [
+        "--measure: the recommendation: first step done (built and compiled)",
+        "--measure: the recommendation: 2 steps done",
+        "--measure: plain Keras: first step done (built and compiled)",
+        "--measure: plain Keras: 2 steps done",
+    ], err[-3000:]
     report = json.loads(out.read_text())
     assert report["measured"]["samples_per_second"] > 0 and report["measured"]["plain"]["peak_bytes"] > 0
     assert sum(c["recommended"] for c in report["configurations"]) == 1

@@ -132,13 +132,14 @@ def _measure(args, build, found) -> None:
     plain = found.plain_configuration()
     skipped = plain.not_checked if plain is not None else None
     chosen = found.recommended
-    StageLog(True)(f"--measure: training the recommendation ({chosen.precision}, micro-batch "
-                   f"{chosen.micro_batch_size or '-'}, {len(chosen.runs)} recomputed run(s))"
-                   + (", then plain Keras," if skipped is None else "")
-                   + f" for {args.steps} steps after one that compiles")
+    stage = StageLog(True)
+    stage(f"--measure: training the recommendation ({chosen.precision}, micro-batch "
+          f"{chosen.micro_batch_size or '-'}, {len(chosen.runs)} recomputed run(s))"
+          + (", then plain Keras," if skipped is None else "")
+          + f" for {args.steps} steps after one that compiles")
     found.measured = remat.measure(
         build, chosen, args.batch_size, optimizer=args.optimizer, steps=args.steps,
-        plain=skipped is None,
+        plain=skipped is None, log=lambda line: stage(f"--measure: {line}"),
     )
     if skipped is not None:
         found.measured["plain"] = {"peak_bytes": None, "samples_per_second": None,

@@ -20,7 +20,8 @@ def _fresh(optimizer):
     return optimizer.__class__.from_config(optimizer.get_config())
 
 
-def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, steps=5, plain=True, kvram=True):
+def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, steps=5, plain=True, kvram=True,
+            log=None):
     """Trains `configuration` (and, with `plain`, the unmodified Keras model)
     for `steps` batches of random data on the present device, after one
     batch that builds and compiles: peak bytes (on the device, beyond what
@@ -32,7 +33,12 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
     over its layers with its own optimizer (a new one like `optimizer`),
     and every variable of the model (weights, BatchNormalization's
     statistics, dropout's seed states) is put back afterwards. So `build`
-    may return a model the caller goes on using."""
+    may return a model the caller goes on using.
+
+    `log`, if given, is called with a line as each model's first step (its
+    build and compile) is done and as its steps are: progress for a caller
+    that shows it (`kvram plan --measure`), the compile often being most of
+    the time."""
     device = memory._device_name(None)
     previous = keras.config.dtype_policy().name
     keras.config.set_dtype_policy(configuration.precision)
@@ -56,6 +62,7 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                     tf.constant(rng.integers(0, classes, batch_size)),
                 )
             loss_name = loss or "sparse_categorical_crossentropy"
+            label = "the recommendation" if kind == "kvram" else "plain Keras"
             if kind == "kvram":
                 chain = segments(model)
                 groups, flags = _groups(configuration.runs, len(chain))
@@ -73,6 +80,8 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                 # on every call (a line in `kvram plan --measure`'s output)
                 trained.fit(tf.data.Dataset.from_tensors(batch), verbose=0, shuffle=False)  # builds, compiles
                 stepped = True
+                if log is not None:
+                    log(f"{label}: first step done (built and compiled)")
                 memory.reset_peak(device)
                 start = time.perf_counter()
                 trained.fit(tf.data.Dataset.from_tensors(batch).repeat(steps), verbose=0, shuffle=False)
@@ -81,8 +90,12 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                     "peak_bytes": memory.peak_bytes(device) - baseline,
                     "samples_per_second": steps * batch_size / seconds,
                 }
+                if log is not None:
+                    log(f"{label}: {steps} steps done, peak {entry['peak_bytes'] / 2**30:,.2f} GiB")
             except tf.errors.ResourceExhaustedError:
                 entry = {"peak_bytes": None, "samples_per_second": None, "error": "out of memory"}
+                if log is not None:
+                    log(f"{label}: out of memory")
             finally:
                 # A first step out of memory under XLA (a GPU's default) updated
                 # nothing, and after it TensorFlow's GPU allocator aborted the
