@@ -30,16 +30,13 @@ def parse(path):
             m = _LINE.match(raw)
             if m:
                 t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
+                mark, source, text = m.group("mark"), m.group("file"), m.group("mark") or m.group("text")
+            elif m := _ABSL.match(raw):
+                t, mark, source, text = float(m.group(1)), None, m.group("file"), m.group("text")
             else:
-                m = _ABSL.match(raw)
-                if not m:
-                    continue
-                t = float(m.group(1))
-                m = {"mark": None, "file": m.group("file"), "text": m.group("text")}.get
+                continue
             first = t if first is None else first
-            get = m if callable(m) and not hasattr(m, "group") else m.group
-            lines.append((t - first, get("mark"), (get("file") or "").rsplit("/", 1)[-1] or None,
-                          (get("mark") or get("text") or "").strip()))
+            lines.append((t - first, mark, (source or "").rsplit("/", 1)[-1] or None, (text or "").strip()))
     return lines
 
 

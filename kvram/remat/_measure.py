@@ -39,6 +39,7 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
     build and compile) is done and as its steps are: progress for a caller
     that shows it (`kvram plan --measure`), the compile often being most of
     the time."""
+    say = log if log is not None else (lambda line: None)
     device = memory._device_name(None)
     previous = keras.config.dtype_policy().name
     keras.config.set_dtype_policy(configuration.precision)
@@ -80,8 +81,7 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                 # on every call (a line in `kvram plan --measure`'s output)
                 trained.fit(tf.data.Dataset.from_tensors(batch), verbose=0, shuffle=False)  # builds, compiles
                 stepped = True
-                if log is not None:
-                    log(f"{label}: first step done (built and compiled)")
+                say(f"{label}: first step done (built and compiled)")
                 memory.reset_peak(device)
                 start = time.perf_counter()
                 trained.fit(tf.data.Dataset.from_tensors(batch).repeat(steps), verbose=0, shuffle=False)
@@ -90,12 +90,10 @@ def measure(build, configuration, batch_size, *, optimizer="adam", loss=None, st
                     "peak_bytes": memory.peak_bytes(device) - baseline,
                     "samples_per_second": steps * batch_size / seconds,
                 }
-                if log is not None:
-                    log(f"{label}: {steps} steps done, peak {entry['peak_bytes'] / 2**30:,.2f} GiB")
+                say(f"{label}: {steps} steps done, peak {entry['peak_bytes'] / 2**30:,.2f} GiB")
             except tf.errors.ResourceExhaustedError:
                 entry = {"peak_bytes": None, "samples_per_second": None, "error": "out of memory"}
-                if log is not None:
-                    log(f"{label}: out of memory")
+                say(f"{label}: out of memory")
             finally:
                 # A first step out of memory under XLA (a GPU's default) updated
                 # nothing, and after it TensorFlow's GPU allocator aborted the
