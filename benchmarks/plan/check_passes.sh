@@ -10,6 +10,8 @@
 # (../shared/gpu/README.md):
 #   bash benchmarks/plan/check_passes.sh convnext_small [resnet50 vit_b16]
 #   FLAGS=--xla_gpu_enable_priority_fusion=false NAME=no_priority_fusion bash benchmarks/plan/check_passes.sh convnext_small
+#   EXTRA=--measure bash benchmarks/plan/check_passes.sh convnext_small   # files tagged _measure: the passes
+#       of --measure's process (XLA's autotuned compile of the trained step) are logged and summed too
 set -u
 here=$(dirname "$0")
 source "$here/issue_models.sh"
@@ -25,8 +27,8 @@ for name in "$@"; do
   for variant in "${variants[@]}"; do
     flags=${XLA_FLAGS:-}
     [ "$variant" != default ] && flags=$FLAGS
-    tag=${name}_$variant
-    command=(python3 -m kvram plan "${args[@]}" --classes 1000 --limit-gpu --verbose --json "$out/$tag.json")
+    tag=${name}_$variant${EXTRA:+_measure}
+    command=(python3 -m kvram plan "${args[@]}" --classes 1000 --limit-gpu --verbose ${EXTRA:-} --json "$out/$tag.json")
     start=$(date +%s.%N)
     XLA_FLAGS="$flags" TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1,gpu_compiler=1 \
       timeout -k 10 "${TIMEOUT:-200}" "${command[@]}" > "$out/$tag.out" 2> "/tmp/$tag.err"
