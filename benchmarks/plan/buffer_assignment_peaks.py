@@ -1,0 +1,119 @@
+"""Whether XLA's buffer assignment, read without running the step, gives the
+peak that the XLA check measures by running it: for `keras.applications`
+models, the check's step (`kvram.remat._check._training_step`, jit-compiled,
+as `kvram plan`'s estimate checks it) is compiled without a run
+(`experimental_get_compiler_ir(...)(stage="optimized_hlo")`, XLA dumping its
+buffer assignment), then called once (a compile of its own, and its run), the
+call's allocator peak beyond what was allocated before it measured as the
+check measures it. Prints and records, per model, the bytes of the dumped
+assignment by kind (the one preallocated temporary buffer, outputs,
+parameters) beside the measured peak. A check that reads the assignment
+would skip the step's run (on a GPU with autotuning off, 9.4 s of untuned
+convolutions for ResNet50 at 128 rows, `plan_minute_h200/4909fb3_first_runs/`).
+
+    python benchmarks/plan/buffer_assignment_peaks.py [--models ResNet50:128 ...] [--size 224] [--out peaks.json]
+
+On a GPU, run with the estimate's flags added to XLA_FLAGS
+(`--xla_gpu_autotune_level=0`, `kvram._plan_process.QUICK_COMPILE`) to
+compile as the check does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+import common  # noqa: E402
+
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (.*)")
+
+
+def assignment_bytes(path: str) -> dict:
+    """Bytes of one buffer-assignment dump by kind of allocation."""
+    found = collections.Counter()
+    with open(path) as f:
+        for line in f:
+            match = _ALLOCATION.match(line)
+            if not match:
+                continue
+            size, what = int(match.group(1)), match.group(2)
+            if what.startswith("parameter"):
+                kind = "parameters"
+            elif "preallocated-temp" in what:
+                kind = "temp"
+            elif "maybe-live-out" in what:
+                kind = "outputs"
+            elif "constant" in what:
+                kind = "constants"
+            else:
+                kind = "other"
+            found[kind] += size
+    return dict(found)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="*", default=["MobileNetV3Small:8", "ResNet50:4"],
+                        help="keras.applications name:rows")
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    dump = tempfile.mkdtemp(prefix="kvram-buffers-")
+    # before TensorFlow reads XLA_FLAGS (at its first compile)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
+
+    from kvram import memory  # kvram before TensorFlow: the CPU allocator's statistics
+
+    import keras
+    import tensorflow as tf
+
+    from kvram.remat._check import _loss_function, _training_step
+
+    device = memory._device_name(None)
+    results = {}
+    for spec in args.models:
+        name, rows = spec.split(":")[0], int(spec.split(":")[1])
+        shutil.rmtree(dump)
+        os.makedirs(dump)
+        keras.config.set_dtype_policy("mixed_bfloat16" if device.startswith("GPU") else "float32")
+        model = getattr(keras.applications, name)(weights=None, input_shape=(args.size, args.size, 3), classes=10)
+        x, y = tf.random.uniform((rows, args.size, args.size, 3)), tf.zeros((rows,), "int64")
+        step = _training_step(model, x, y, _loss_function(model, "sparse_categorical_crossentropy"), True)
+        start = time.perf_counter()
+        step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+        compiled = time.perf_counter() - start
+        dumps = sorted(glob.glob(os.path.join(dump, "*buffer-assignment.txt")), key=os.path.getsize)
+        assigned = assignment_bytes(dumps[-1]) if dumps else {}
+        memory.collect_garbage()
+        memory.reset_peak(device)
+        before = memory.current_bytes(device)
+        start = time.perf_counter()
+        gradients = step(x, y)
+        tf.nest.map_structure(lambda t: t.numpy(), gradients)  # the run done
+        called = time.perf_counter() - start
+        peak = memory.peak_bytes(device) - before
+        del gradients
+        results[name] = {
+            "rows": rows, "compile_only_s": round(compiled, 2), "call_s": round(called, 2),
+            "assignment_bytes": assigned, "measured_peak_bytes": peak,
+            "temp_and_outputs_over_measured": round((assigned.get("temp", 0) + assigned.get("outputs", 0)) / peak, 4),
+        }
+        print(name, results[name], flush=True)
+    shutil.rmtree(dump, ignore_errors=True)
+    record = {"device": device, "size": args.size, "models": results}
+    if args.out:
+        common.write_record(args.out, record)
+
+
+if __name__ == "__main__":
+    main()
