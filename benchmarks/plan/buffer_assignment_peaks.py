@@ -2,10 +2,13 @@
 peak that the XLA check measures by running it: for `keras.applications`
 models, the check's step (`kvram.remat._check._training_step`, jit-compiled,
 as `kvram plan`'s estimate checks it) is compiled without a run
-(`experimental_get_compiler_ir(...)(stage="optimized_hlo")`, XLA dumping its
-buffer assignment), then called once (a compile of its own, and its run), the
+(`experimental_get_compiler_ir(...)(stage="optimized_hlo_proto_serialized")`:
+an `HloProto` with its buffer assignment, in the process, nothing dumped; the
+same bytes by kind as XLA's `--xla_dump_to` buffer-assignment file, which
+5a28a2a's version of this script read, on MobileNetV3Small on the CPU), then
+called once (a compile of its own, and its run), the
 call's allocator peak beyond what was allocated before it measured as the
-check measures it. Prints and records, per model, the bytes of the dumped
+check measures it. Prints and records, per model, the bytes of the
 assignment by kind (the one preallocated temporary buffer, outputs,
 parameters) beside the measured peak. A check that reads the assignment
 would skip the step's run (on a GPU with autotuning off, 9.4 s of untuned
@@ -22,41 +25,34 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
-import re
-import shutil
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
 import common  # noqa: E402
 
-_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (.*)")
+def assignment_bytes(serialized: bytes) -> dict:
+    """Bytes of a compiled module's buffer assignment (a serialized `HloProto`)
+    by kind of allocation; "other" is thread-local (scalars in registers)."""
+    from tensorflow.compiler.xla.service import hlo_pb2
 
-
-def assignment_bytes(path: str) -> dict:
-    """Bytes of one buffer-assignment dump by kind of allocation."""
+    proto = hlo_pb2.HloProto()
+    proto.ParseFromString(serialized)
     found = collections.Counter()
-    with open(path) as f:
-        for line in f:
-            match = _ALLOCATION.match(line)
-            if not match:
-                continue
-            size, what = int(match.group(1)), match.group(2)
-            if what.startswith("parameter"):
-                kind = "parameters"
-            elif "preallocated-temp" in what:
-                kind = "temp"
-            elif "maybe-live-out" in what:
-                kind = "outputs"
-            elif "constant" in what:
-                kind = "constants"
-            else:
-                kind = "other"
-            found[kind] += size
+    for allocation in proto.buffer_assignment.buffer_allocations:
+        if allocation.is_entry_computation_parameter:
+            kind = "parameters"
+        elif allocation.is_constant:
+            kind = "constants"
+        elif allocation.is_thread_local:
+            kind = "other"
+        elif allocation.maybe_live_out:
+            kind = "outputs"
+        else:
+            kind = "temp"
+        found[kind] += allocation.size
     return dict(found)
 
 
@@ -67,10 +63,6 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-
-    dump = tempfile.mkdtemp(prefix="kvram-buffers-")
-    # before TensorFlow reads XLA_FLAGS (at its first compile)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
 
     from kvram import memory  # kvram before TensorFlow: the CPU allocator's statistics
 
@@ -83,17 +75,13 @@ def main() -> None:
     results = {}
     for spec in args.models:
         name, rows = spec.split(":")[0], int(spec.split(":")[1])
-        shutil.rmtree(dump)
-        os.makedirs(dump)
         keras.config.set_dtype_policy("mixed_bfloat16" if device.startswith("GPU") else "float32")
         model = getattr(keras.applications, name)(weights=None, input_shape=(args.size, args.size, 3), classes=10)
         x, y = tf.random.uniform((rows, args.size, args.size, 3)), tf.zeros((rows,), "int64")
         step = _training_step(model, x, y, _loss_function(model, "sparse_categorical_crossentropy"), True)
         start = time.perf_counter()
-        step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+        assigned = assignment_bytes(step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo_proto_serialized"))
         compiled = time.perf_counter() - start
-        dumps = sorted(glob.glob(os.path.join(dump, "*buffer-assignment.txt")), key=os.path.getsize)
-        assigned = assignment_bytes(dumps[-1]) if dumps else {}
         memory.collect_garbage()
         memory.reset_peak(device)
         before = memory.current_bytes(device)
@@ -109,7 +97,6 @@ def main() -> None:
             "temp_and_outputs_over_measured": round((assigned.get("temp", 0) + assigned.get("outputs", 0)) / peak, 4),
         }
         print(name, results[name], flush=True)
-    shutil.rmtree(dump, ignore_errors=True)
     record = {"device": device, "size": args.size, "models": results}
     if args.out:
         common.write_record(args.out, record)
