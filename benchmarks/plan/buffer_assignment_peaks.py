@@ -6,9 +6,9 @@ as `kvram plan`'s estimate checks it) is compiled without a run
 an `HloProto` with its buffer assignment, in the process, nothing dumped; the
 same bytes by kind as XLA's `--xla_dump_to` buffer-assignment file, which
 5a28a2a's version of this script read, on MobileNetV3Small on the CPU), then
-called once (a compile of its own, and its run), the
-call's allocator peak beyond what was allocated before it measured as the
-check measures it. Prints and records, per model, the bytes of the
+called once (a compile of its own, and its run) and measured by the check's
+own `_step_peak_or_raise` (where compiling times no kernels, the CPU or a
+GPU at autotuning level 0, the compiling call's run is the one measured). Prints and records, per model, the bytes of the
 assignment by kind (the one preallocated temporary buffer, outputs,
 parameters) beside the measured peak. A check that reads the assignment
 would skip the step's run (on a GPU with autotuning off, 9.4 s of untuned
@@ -32,6 +32,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
 import common  # noqa: E402
+
 
 def assignment_bytes(serialized: bytes) -> dict:
     """Bytes of a compiled module's buffer assignment (a serialized `HloProto`)
@@ -69,7 +70,7 @@ def main() -> None:
     import keras
     import tensorflow as tf
 
-    from kvram.remat._check import _loss_function, _training_step
+    from kvram.remat._check import _loss_function, _step_peak_or_raise, _training_step
 
     device = memory._device_name(None)
     results = {}
@@ -82,15 +83,10 @@ def main() -> None:
         start = time.perf_counter()
         assigned = assignment_bytes(step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo_proto_serialized"))
         compiled = time.perf_counter() - start
-        memory.collect_garbage()
-        memory.reset_peak(device)
-        before = memory.current_bytes(device)
         start = time.perf_counter()
-        gradients = step(x, y)
-        tf.nest.map_structure(lambda t: t.numpy(), gradients)  # the run done
+        peak = _step_peak_or_raise(model, step, x, y, device, True)
+        tf.test.experimental.sync_devices()  # the run done, not only launched
         called = time.perf_counter() - start
-        peak = memory.peak_bytes(device) - before
-        del gradients
         results[name] = {
             "rows": rows, "compile_only_s": round(compiled, 2), "call_s": round(called, 2),
             "assignment_bytes": assigned, "measured_peak_bytes": peak,
