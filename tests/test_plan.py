@@ -815,6 +815,45 @@ def test_an_xla_check_on_the_cpu_runs_the_step_once_and_measures_a_later_runs_pe
     assert checked == run_with_peak(step, x, y, warm=True)[1] > 0
 
 
+@pytest.mark.parametrize(("device", "flags", "expected"), [
+    ("GPU:0", "--xla_gpu_autotune_level=0", True),
+    ("GPU:0", None, False),
+    ("CPU:0", None, False),  # XLA:CPU allocates beyond its assignment: the step is run
+])
+def test_untuned_gpu_checks_read_xlas_buffer_assignment(monkeypatch, device, flags, expected):
+    from kvram.remat._check import _reads_assignment
+
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    assert _reads_assignment(device) is expected
+
+
+def test_a_check_reading_the_assignment_compiles_without_running_the_step(monkeypatch):
+    # On the CPU the path is forced: the step is compiled, not run, and the bytes
+    # read lie between its outputs (the gradients) and a run's measured peak
+    # (XLA:CPU allocates beyond its assignment at run time)
+    import numpy as np
+    import tensorflow as tf
+
+    from kvram.remat import _check
+    from tests.helpers import run_with_peak
+
+    model = small_model()
+    x = tf.random.uniform((16, 32, 32, 3))
+    y = tf.zeros((16,), "int64")
+    step = _check._training_step(model, x, y, _check._loss_function(model, "sparse_categorical_crossentropy"), True)
+    monkeypatch.setattr(_check, "_reads_assignment", lambda device: True)
+    before = [v.numpy().copy() for v in model.variables]
+    read = _check._step_peak_or_raise(model, step, x, y, "CPU:0", True)
+    assert step.experimental_get_tracing_count() == 1  # traced for the compile
+    gradients = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_variables)
+    # not run: BatchNormalization's moving statistics did not move
+    assert all(np.array_equal(b, v.numpy()) for b, v in zip(before, model.variables))
+    assert gradients <= read <= run_with_peak(step, x, y, warm=True)[1]
+
+
 @pytest.mark.parametrize("given", [None, "0", "1"])
 def test_plan_measures_without_cudnn_autotuning_unless_it_is_set(given):
     environ = {"PATH": "/bin"} | ({"TF_CUDNN_USE_AUTOTUNE": given} if given is not None else {})

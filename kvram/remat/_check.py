@@ -109,8 +109,9 @@ class StageLog:
 def _step_check(model, chain, x, y, loss_fn, device, jit, log=None, steps=None):
     """A function of runs returning the measured peak (bytes beyond the step's
     start) of the training step of `model` with those runs recomputed, as it
-    will train: XLA-compiled (`jit`; one run after the compiling one, or the
-    compiling one's own where compiling allocates nothing on the device,
+    will train: XLA-compiled (`jit`; one run after the compiling one, the
+    compiling one's own where compiling allocates nothing on the device, or,
+    on a GPU compiling untuned, no run: the compiled step's buffer assignment,
     `_step_peak_or_raise`: XLA fixes its buffers at compile time) or on the
     graph executor (the highest of three runs: its op order varies). Results
     are kept by runs; `log`, if given, is called with a line for each new
@@ -231,16 +232,15 @@ def _step_peak_or_raise(model, step, x, y, device, jit) -> int:
     # 104.3-105.8 in 2 without a collection before each trace; 80.5-87.9 MiB in 10 of 10
     # with one (another plan of the same model; MobileNetV3Small: no difference).
     memory.collect_garbage()
+    if jit and _reads_assignment(device):
+        return _assigned_bytes(step, x, y)
     if not (jit and _compiles_untuned(device)):
         gradients = step(x, y)  # traces (and compiles) the first time, compiles at new rows under XLA
         del gradients
-    # else the compiling call's own run is the one measured: no kernel is timed while
-    # compiling, so nothing but the step's own buffers is allocated on the device
+    # else (the CPU) the compiling call's own run is the one measured: no kernel is timed
+    # while compiling, so nothing but the step's own buffers is allocated on the device
     # (ResNet50, ConvNeXtTiny and MobileNetV3Small under XLA on the CPU: the first call's
     # peak equals each later call's to the byte, benchmarks/plan/compiling_call_peaks.py).
-    # A second run costs as much as the first on a GPU without autotuning: XLA then runs
-    # cuDNN's default convolution algorithms, and ResNet50's bfloat16 step at 128 rows
-    # took 9.4 s a run on an H200 against 25 ms autotuned (benchmarks/plan/first_run_log.sh).
     memory.reset_peak(device)
     start = memory.current_bytes(device)
     for _ in range(1 if jit else peak_steps()):
@@ -261,3 +261,36 @@ def _compiles_untuned(device) -> bool:
     name = UNTUNED.split("=")[0]
     levels = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag.split("=")[0] == name]
     return bool(levels) and levels[-1] == UNTUNED
+
+
+def _reads_assignment(device) -> bool:
+    """Whether an XLA check reads the step's peak from XLA's buffer assignment
+    instead of running the step: on a GPU compiling without autotuning
+    (`_compiles_untuned`), where a run of the untuned step costs seconds (XLA
+    then runs cuDNN's default convolution algorithms: 9.4 s for ResNet50's
+    bfloat16 step at 128 rows on an H200 against 25 ms autotuned,
+    benchmarks/plan/first_run_log.sh) and the assignment's
+    temporary buffer and outputs came to 0.998 (ResNet50, 128 rows) and 0.996
+    (ConvNeXtSmall, 64 rows) of the run's measured peak
+    (benchmarks/results/plan_buffer_assignment_peaks_h200.json). Not on the
+    CPU, where XLA allocates beyond its assignment at run time (0.59-0.96 of
+    the measured peak: plan_buffer_assignment_peaks_cpu.json)."""
+    return memory._device_name(device).startswith("GPU") and _compiles_untuned(device)
+
+
+def _assigned_bytes(step, x, y) -> int:
+    """The bytes XLA assigns the jit-compiled `step` on (x, y) beyond its
+    parameters: its one preallocated temporary buffer and its outputs (what a
+    run allocates on the device), from the compiled module's buffer
+    assignment. Compiles the step without running it
+    (`experimental_get_compiler_ir`'s "optimized_hlo_proto_serialized": an
+    `HloProto` with the assignment; TensorFlow documents the API for
+    debugging, without a compatibility promise; TensorFlow's own tests of
+    `recompute_grad` measure peak memory by it, on GPUs too)."""
+    from tensorflow.compiler.xla.service import hlo_pb2
+
+    proto = hlo_pb2.HloProto()
+    arguments = (x,) if y is None else (x, y)
+    proto.ParseFromString(step.experimental_get_compiler_ir(*arguments)(stage="optimized_hlo_proto_serialized"))
+    return sum(a.size for a in proto.buffer_assignment.buffer_allocations
+               if not (a.is_entry_computation_parameter or a.is_constant or a.is_thread_local))

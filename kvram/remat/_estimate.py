@@ -85,7 +85,8 @@ class Configuration:
     fits: bool
     plan: _plan.Plan | None = dataclasses.field(default=None, repr=False)
     # "executor": predicted from the graph executor's measurement; "xla" /
-    # "graph": checked by steps run as training will (XLA-compiled / on the
+    # "graph": checked by steps as training will run them (XLA-compiled: on a
+    # GPU its buffer assignment read, `_check._reads_assignment` / on the
     # graph executor), at the configuration's own rows or at the probe batches
     # extrapolated (`estimate`'s check_at); "oom": that check ran out of the
     # device's memory (the peak is then a lower bound, and it does not fit).
@@ -171,8 +172,8 @@ class Estimate:
         if any(c.predicted_by != "executor" for c in self.configurations):
             where = ("at its own rows" if self.check_at == "batch"
                      else "at the probe batches, extrapolated")
-            rows.append(f"from: xla / graph = checked by steps run as training will (XLA-compiled / on the "
-                        f"graph executor) {where}; oom = that step ran out of the device's memory "
+            rows.append(f"from: xla / graph = checked by steps as training will run them (XLA-compiled: on a "
+                        f"GPU its buffer assignment read, on a CPU run / run on the graph executor) {where}; oom = that step ran out of the device's memory "
                         "(the peak shown is a lower bound); executor = predicted from the cut-by-cut "
                         "measurement (over-predicts XLA's)")
         if self.not_estimated:
