@@ -7,11 +7,12 @@ an `HloProto` with its buffer assignment, in the process, nothing dumped; the
 same bytes by kind as XLA's `--xla_dump_to` buffer-assignment file, which
 5a28a2a's version of this script read, on MobileNetV3Small on the CPU), then
 called once (a compile of its own, and its run) and measured by the check's
-own `_step_peak_or_raise` (where compiling times no kernels, the CPU or a
-GPU at autotuning level 0, the compiling call's run is the one measured). Prints and records, per model, the bytes of the
+own `_step_peak_or_raise` run as the CPU's check runs it (the compiling
+call's run is the one measured; kvram's check on an untuned GPU reads the
+assignment instead, `_check._reads_assignment`, switched off here). Prints and records, per model, the bytes of the
 assignment by kind (the one preallocated temporary buffer, outputs,
 parameters) beside the measured peak. A check that reads the assignment
-would skip the step's run (on a GPU with autotuning off, 9.4 s of untuned
+skips the step's run (on a GPU with autotuning off, 9.4 s of untuned
 convolutions for ResNet50 at 128 rows, `plan_minute_h200/4909fb3_first_runs/`).
 
     python benchmarks/plan/buffer_assignment_peaks.py [--models ResNet50:128 ...] [--size 224] [--out peaks.json]
@@ -28,6 +29,7 @@ import collections
 import os
 import sys
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
@@ -70,7 +72,8 @@ def main() -> None:
     import keras
     import tensorflow as tf
 
-    from kvram.remat._check import _loss_function, _step_peak_or_raise, _training_step
+    from kvram.remat import _check
+    from kvram.remat._check import _loss_function, _training_step
 
     device = memory._device_name(None)
     results = {}
@@ -84,7 +87,10 @@ def main() -> None:
         assigned = assignment_bytes(step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo_proto_serialized"))
         compiled = time.perf_counter() - start
         start = time.perf_counter()
-        peak = _step_peak_or_raise(model, step, x, y, device, True)
+        # the check's measurement by a run, also where kvram's check reads the assignment instead
+        # (an untuned GPU, `_check._reads_assignment`)
+        with mock.patch.object(_check, "_reads_assignment", return_value=False):
+            peak = _check._step_peak_or_raise(model, step, x, y, device, True)
         tf.test.experimental.sync_devices()  # the run done, not only launched
         called = time.perf_counter() - start
         results[name] = {
