@@ -799,30 +799,56 @@ def test_peaks_are_one_step_in_one_op_order_and_the_highest_of_three_otherwise()
     assert peak_steps() == 3
 
 
-def _op_types(device, layer, x):
-    from kvram.remat._profile import native_grouped_convolutions
+def _traced(device, step, *args):
+    from kvram.remat._profile import shared_grouped_convolutions
 
-    step = tf.function(lambda t: layer(t), autograph=False)
-    with native_grouped_convolutions(device):
-        graph = step.get_concrete_function(x).graph
-    return {op.type for op in graph.get_operations()}
+    with shared_grouped_convolutions(device):
+        return tf.function(step, autograph=False).get_concrete_function(*args).graph
 
 
-def test_profile_runs_grouped_convolutions_as_tensorflow_ops_on_a_gpu_only():
+def _called_functions(graph) -> list:
+    return [op.get_attr("f").name for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
+
+
+def test_profile_runs_grouped_convolutions_of_a_shape_as_one_function_on_a_gpu_only():
     """Keras compiles each grouped convolution as an XLA function of its own on
     every device (keras-team/keras#18180); in the cut-by-cut measurement on a GPU
-    (a graph-executor step) each was a compile of its own. Traced as for a GPU
-    the convolution is TensorFlow's Conv2D op; as for the CPU, Keras's function."""
+    (a graph-executor step) each was a compile of its own, and TensorFlow's own
+    Conv2D op spent seconds in cuDNN at every new shape. Traced as for a GPU, the
+    grouped convolutions of one shape call one jit-compiled function, with the
+    same outputs and gradients as Keras's; as for the CPU, each its own function."""
     from keras.src.backend.tensorflow import nn
 
     keras_conv = nn.conv
     x = tf.random.normal((2, 8, 8, 8))
-    grouped, whole = keras.layers.Conv2D(8, 3, groups=4), keras.layers.Conv2D(8, 3)
-    assert "Conv2D" in _op_types("GPU:0", grouped, x)
-    assert "Conv2D" not in _op_types("CPU:0", grouped, x)
-    assert "StatefulPartitionedCall" in _op_types("CPU:0", grouped, x)
-    assert "Conv2D" in _op_types("GPU:0", whole, x) and "Conv2D" in _op_types("CPU:0", whole, x)
+    first, second = keras.layers.Conv2D(8, 3, groups=4), keras.layers.Conv2D(8, 3, groups=4)
+    whole = keras.layers.Conv2D(8, 3)
+    first.build(x.shape), second.build(x.shape), whole.build(x.shape)
+
+    def two(t):
+        return first(t) + second(t)
+
+    on_gpu, on_cpu = _called_functions(_traced("GPU:0", two, x)), _called_functions(_traced("CPU:0", two, x))
+    assert len(on_gpu) == 2 and len(set(on_gpu)) == 1  # one function for both
+    assert len(on_cpu) == 2 and len(set(on_cpu)) == 2  # Keras's own, one each
+    assert "Conv2D" not in {op.type for op in _traced("GPU:0", two, x).get_operations()}
+    ungrouped = _traced("GPU:0", whole, x)
+    assert "Conv2D" in {op.type for op in ungrouped.get_operations()} and not _called_functions(ungrouped)
     assert nn.conv is keras_conv  # put back
+
+    def loss_and_gradients(t):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(two(t) ** 2)
+        return loss, tape.gradient(loss, first.trainable_variables + second.trainable_variables)
+
+    from kvram.remat._profile import shared_grouped_convolutions
+
+    expected = tf.function(loss_and_gradients)(x)  # Keras's own functions (run here, on the CPU)
+    with shared_grouped_convolutions("GPU:0"):
+        got = tf.function(loss_and_gradients)(x)  # the shared function, compiled for the CPU
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
+    for g, e in zip(got[1], expected[1]):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("set_before", [None, True])

@@ -54,7 +54,7 @@ def main(argv=None):
     result = {"model": args.model, "rows": [], "tensorflow": tf.__version__,
               "TF_CUDNN_USE_AUTOTUNE": os.environ.get("TF_CUDNN_USE_AUTOTUNE")}
     device = memory._device_name(None)
-    with _profile.native_grouped_convolutions(device):
+    with _profile.shared_grouped_convolutions(device):
         run(model, args, times, result)
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=1)

@@ -72,7 +72,7 @@ def main(argv=None):
                 tf.constant(rng.integers(0, args.classes, rows))) for rows in args.rows]
     optimizers = (_profile.graph_optimizers_off(device) if args.grappler == "kvram"
                   else contextlib.nullcontext())
-    with memory.state_kept(model), _profile.native_grouped_convolutions(device), optimizers:
+    with memory.state_kept(model), _profile.shared_grouped_convolutions(device), optimizers:
         t = time.perf_counter()
         parts = [(s, _segments._part([s], f"{model.name}_segment{s.index}")) for s in chain]
         record["parts_seconds"] = time.perf_counter() - t

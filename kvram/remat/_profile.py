@@ -121,7 +121,7 @@ def _profiles(model, chain, batches, loss_fn, device):
     traced once for them all (on an H200, each trace of it took 2.9-5.1 s:
     benchmarks/results/plan_minute_h200/8707064_probe_times/)."""
     # the steps move BatchNormalization statistics and seeds
-    with memory.state_kept(model), native_grouped_convolutions(device), graph_optimizers_off(device):
+    with memory.state_kept(model), shared_grouped_convolutions(device), graph_optimizers_off(device):
         return _profile_steps(model, chain, batches, loss_fn, device)
 
 
@@ -148,10 +148,11 @@ def graph_optimizers_off(device):
 
 
 @contextlib.contextmanager
-def native_grouped_convolutions(device):
+def shared_grouped_convolutions(device):
     """Within, on a GPU, functions traced run Keras's grouped convolutions
-    (`Conv2D(groups > 1)`: ConvNeXt's depthwise 7x7, ResNeXt, RegNet) as
-    TensorFlow's own op, which runs them on a GPU without XLA.
+    (`Conv2D(groups > 1)`: ConvNeXt's depthwise 7x7, ResNeXt, RegNet) as calls
+    of one jit-compiled function (`_grouped_convolution`), which XLA compiles
+    once for each shape, whatever the number of convolutions of that shape.
 
     Keras's TensorFlow backend compiles every grouped convolution as an XLA
     function of its own on every device, a workaround for TensorFlow's CPU
@@ -159,10 +160,15 @@ def native_grouped_convolutions(device):
     are broken on CPU without XLA"; keras-team/keras#18180 asks to limit it
     to the CPU). In a graph-executor step, as the cut-by-cut measurement is,
     that is one XLA compile per convolution and per gradient: ConvNeXtSmall's
-    measurement at 16 and 32 rows took 99.6-117.8 s on an H200
-    (benchmarks/results/plan_minute_h200/). Under a jit-compiled step (a
-    GPU's training, the checks) the functions are inlined and nothing
-    changes. On the CPU, where the workaround is needed, nothing is changed."""
+    measurement at 16 and 32 rows took 99.6-117.8 s on an H200. TensorFlow's
+    own Conv2D op instead reached cuDNN, which built its plans for each new
+    shape and batch size, even without autotuning: about 2.3 s a shape and
+    batch, the probe's first runs 24.4 and 11.4 s (ConvNeXtSmall, 16 and 32
+    rows). The shared function's first runs took 7.3 and 1.5 s, measured the
+    same within 0.05%, and `kvram plan` for ConvNeXtSmall took 47.1-48.0 s
+    against 67.2 s (benchmarks/results/plan_minute_h200/, 2026-11-28). Under
+    a jit-compiled step (a GPU's training, the checks) the functions are
+    inlined and nothing changes. On the CPU nothing is changed."""
     if not device.startswith("GPU"):
         yield
         return
@@ -175,15 +181,28 @@ def native_grouped_convolutions(device):
         channels = inputs.shape[-1] if data_format == "channels_last" else inputs.shape[1]
         if channels == kernel.shape[-2] or (data_format == "channels_first" and len(inputs.shape) == 5):
             return keras_conv(inputs, kernel, strides, padding, data_format, dilation_rate)
-        return tf.nn.convolution(inputs, kernel, strides, padding.upper(),
-                                 data_format=nn._convert_data_format(data_format, len(inputs.shape)),
-                                 dilations=dilation_rate)
+        rank = len(inputs.shape) - 2
+        # the kernel is a Keras variable: a tensor of it, as the function's argument
+        return _grouped_convolution(inputs, tf.convert_to_tensor(kernel), _per_axis(strides, rank), padding.upper(),
+                                    nn._convert_data_format(data_format, len(inputs.shape)),
+                                    _per_axis(dilation_rate, rank))
 
     nn.conv = conv
     try:
         yield
     finally:
         nn.conv = keras_conv
+
+
+def _per_axis(value, rank) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * rank
+
+
+@tf.function(jit_compile=True)
+def _grouped_convolution(inputs, kernel, strides, padding, data_format, dilations):
+    """One grouped convolution, for every one of `shared_grouped_convolutions`:
+    traced once for each shape, dtype and options (the Python arguments)."""
+    return tf.nn.convolution(inputs, kernel, strides, padding, data_format=data_format, dilations=dilations)
 
 
 def _profile_steps(model, chain, batches, loss_fn, device):
