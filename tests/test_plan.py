@@ -832,8 +832,11 @@ def test_untuned_gpu_checks_read_xlas_buffer_assignment(monkeypatch, device, fla
 
 def test_a_check_reading_the_assignment_compiles_without_running_the_step(monkeypatch):
     # On the CPU the path is forced: the step is compiled, not run, and the bytes
-    # read lie between its outputs (the gradients) and a run's measured peak
-    # (XLA:CPU allocates beyond its assignment at run time)
+    # read (its temporary buffer and outputs, the gradients among them) are near a
+    # run's measured peak: for this model 0.89 of it alone (16,777,216 bytes) and
+    # 1.004 in the full suite (14,877,952: the temporary buffer, the outputs
+    # uncounted). kvram reads it on GPUs only (XLA:CPU's larger models allocate
+    # beyond it: 0.59-0.96, benchmarks/results/plan_buffer_assignment_peaks_cpu.json).
     import numpy as np
     import tensorflow as tf
 
@@ -851,7 +854,8 @@ def test_a_check_reading_the_assignment_compiles_without_running_the_step(monkey
     gradients = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_variables)
     # not run: BatchNormalization's moving statistics did not move
     assert all(np.array_equal(b, v.numpy()) for b, v in zip(before, model.variables))
-    assert gradients <= read <= run_with_peak(step, x, y, warm=True)[1]
+    assert read >= gradients
+    assert read == pytest.approx(run_with_peak(step, x, y, warm=True)[1], rel=0.15)
 
 
 @pytest.mark.parametrize("given", [None, "0", "1"])
