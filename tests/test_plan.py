@@ -818,7 +818,7 @@ def test_an_xla_check_on_the_cpu_runs_the_step_once_and_measures_a_later_runs_pe
 @pytest.mark.parametrize(("device", "flags", "expected"), [
     ("GPU:0", "--xla_gpu_autotune_level=0", True),
     ("GPU:0", None, False),
-    ("CPU:0", None, False),  # XLA:CPU allocates beyond its assignment: the step is run
+    ("CPU:0", None, False),  # XLA:CPU's runs of larger models allocate beyond it: the step is run
 ])
 def test_untuned_gpu_checks_read_xlas_buffer_assignment(monkeypatch, device, flags, expected):
     from kvram.remat._check import _reads_assignment

@@ -273,8 +273,8 @@ def _reads_assignment(device) -> bool:
     temporary buffer and outputs came to 0.998 (ResNet50, 128 rows) and 0.996
     (ConvNeXtSmall, 64 rows) of the run's measured peak
     (benchmarks/results/plan_buffer_assignment_peaks_h200.json). Not on the
-    CPU, where XLA allocates beyond its assignment at run time (0.59-0.96 of
-    the measured peak: plan_buffer_assignment_peaks_cpu.json)."""
+    CPU, where XLA's runs of larger models allocate beyond their assignment
+    (0.59-0.96 of the measured peak: plan_buffer_assignment_peaks_cpu.json)."""
     return memory._device_name(device).startswith("GPU") and _compiles_untuned(device)
 
 

@@ -173,9 +173,9 @@ class Estimate:
             where = ("at its own rows" if self.check_at == "batch"
                      else "at the probe batches, extrapolated")
             rows.append(f"from: xla / graph = checked by steps as training will run them (XLA-compiled: on a "
-                        f"GPU its buffer assignment read, on a CPU run / run on the graph executor) {where}; oom = that step ran out of the device's memory "
-                        "(the peak shown is a lower bound); executor = predicted from the cut-by-cut "
-                        "measurement (over-predicts XLA's)")
+                        f"GPU its buffer assignment read, on a CPU run / run on the graph executor) {where}; "
+                        "oom = that step ran out of the device's memory (the peak shown is a lower bound); "
+                        "executor = predicted from the cut-by-cut measurement (over-predicts XLA's)")
         if self.not_estimated:
             rows.append(f"not estimated: {', '.join(self.not_estimated)} (a preferred precision fits; "
                         "every_precision, or `kvram plan --every-precision`, estimates them too)")
