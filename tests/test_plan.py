@@ -838,7 +838,6 @@ def test_a_check_reading_the_assignment_compiles_without_running_the_step(monkey
     # three processes, the allocator counting whole chunks; the read 14.9 MB.)
     import numpy as np
     import tensorflow as tf
-    from tensorflow.compiler.xla.service import hlo_pb2
 
     from kvram.remat import _check
     from tests.helpers import run_with_peak
@@ -853,20 +852,11 @@ def test_a_check_reading_the_assignment_compiles_without_running_the_step(monkey
     assert step.experimental_get_tracing_count() == 1  # traced for the compile
     # not run: BatchNormalization's moving statistics did not move
     assert all(np.array_equal(b, v.numpy()) for b, v in zip(before, model.variables))
-    proto = hlo_pb2.HloProto()
-    proto.ParseFromString(step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo_proto_serialized"))
-    kinds = {"parameters": 0, "outputs": 0, "temporary": 0}
-    for a in proto.buffer_assignment.buffer_allocations:
-        if a.is_entry_computation_parameter:
-            kinds["parameters"] += a.size
-        elif a.maybe_live_out:
-            kinds["outputs"] += a.size
-        elif not (a.is_constant or a.is_thread_local):
-            kinds["temporary"] += a.size
+    kinds = _check._assignment(step, x, y)
     gradients = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_variables)
-    assert read == kinds["temporary"] + kinds["outputs"] and kinds["outputs"] >= gradients
+    assert read == kinds["temp"] + kinds["outputs"] and kinds["outputs"] >= gradients
     assert kinds["parameters"] >= x.numpy().nbytes  # the variables and the batch: not counted
-    assert run_with_peak(step, x, y, warm=True)[1] >= kinds["temporary"] > 0
+    assert run_with_peak(step, x, y, warm=True)[1] >= kinds["temp"] > 0
 
 
 @pytest.mark.parametrize("given", [None, "0", "1"])

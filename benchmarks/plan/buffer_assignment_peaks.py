@@ -9,9 +9,10 @@ same bytes by kind as XLA's `--xla_dump_to` buffer-assignment file, which
 called once (a compile of its own, and its run) and measured by the check's
 own `_step_peak_or_raise` run as the CPU's check runs it (the compiling
 call's run is the one measured; kvram's check on an untuned GPU reads the
-assignment instead, `_check._reads_assignment`, switched off here). Prints and records, per model, the bytes of the
-assignment by kind (the one preallocated temporary buffer, outputs,
-parameters) beside the measured peak. A check that reads the assignment
+assignment instead, `_check._reads_assignment`, switched off here). Prints
+and records, per model, the bytes of the assignment by kind
+(`kvram.remat._check._assignment`: the preallocated temporary buffer,
+outputs, parameters) beside the measured peak. A check that reads the assignment
 skips the step's run (on a GPU with autotuning off, 9.4 s of untuned
 convolutions for ResNet50 at 128 rows, `plan_minute_h200/4909fb3_first_runs/`).
 
@@ -25,7 +26,6 @@ compile as the check does.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 import time
@@ -34,29 +34,6 @@ from unittest import mock
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
 import common  # noqa: E402
-
-
-def assignment_bytes(serialized: bytes) -> dict:
-    """Bytes of a compiled module's buffer assignment (a serialized `HloProto`)
-    by kind of allocation; "other" is thread-local (scalars in registers)."""
-    from tensorflow.compiler.xla.service import hlo_pb2
-
-    proto = hlo_pb2.HloProto()
-    proto.ParseFromString(serialized)
-    found = collections.Counter()
-    for allocation in proto.buffer_assignment.buffer_allocations:
-        if allocation.is_entry_computation_parameter:
-            kind = "parameters"
-        elif allocation.is_constant:
-            kind = "constants"
-        elif allocation.is_thread_local:
-            kind = "other"
-        elif allocation.maybe_live_out:
-            kind = "outputs"
-        else:
-            kind = "temp"
-        found[kind] += allocation.size
-    return dict(found)
 
 
 def main() -> None:
@@ -84,7 +61,7 @@ def main() -> None:
         x, y = tf.random.uniform((rows, args.size, args.size, 3)), tf.zeros((rows,), "int64")
         step = _training_step(model, x, y, _loss_function(model, "sparse_categorical_crossentropy"), True)
         start = time.perf_counter()
-        assigned = assignment_bytes(step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo_proto_serialized"))
+        assigned = _check._assignment(step, x, y)
         compiled = time.perf_counter() - start
         start = time.perf_counter()
         # the check's measurement by a run, also where kvram's check reads the assignment instead
@@ -96,7 +73,7 @@ def main() -> None:
         results[name] = {
             "rows": rows, "compile_only_s": round(compiled, 2), "call_s": round(called, 2),
             "assignment_bytes": assigned, "measured_peak_bytes": peak,
-            "temp_and_outputs_over_measured": round((assigned.get("temp", 0) + assigned.get("outputs", 0)) / peak, 4),
+            "temp_and_outputs_over_measured": round((assigned["temp"] + assigned["outputs"]) / peak, 4),
         }
         print(name, results[name], flush=True)
     record = {"device": device, "size": args.size, "models": results}

@@ -280,9 +280,17 @@ def _reads_assignment(device) -> bool:
 
 def _assigned_bytes(step, x, y) -> int:
     """The bytes XLA assigns the jit-compiled `step` on (x, y) beyond its
-    parameters: its one preallocated temporary buffer and its outputs (what a
-    run allocates on the device), from the compiled module's buffer
-    assignment. Compiles the step without running it
+    parameters: its preallocated temporary buffer and its outputs (what a run
+    allocates on the device), from `_assignment`."""
+    kinds = _assignment(step, x, y)
+    return kinds["temp"] + kinds["outputs"]
+
+
+def _assignment(step, x, y) -> dict:
+    """Bytes of the compiled module's buffer assignment of the jit-compiled
+    `step` on (x, y), by kind: "parameters" (the variables and the batch),
+    "constants", "other" (thread-local: scalars in registers), "outputs",
+    "temp". Compiles the step without running it
     (`experimental_get_compiler_ir`'s "optimized_hlo_proto_serialized": an
     `HloProto` with the assignment; TensorFlow documents the API for
     debugging, without a compatibility promise; TensorFlow's own tests of
@@ -292,5 +300,16 @@ def _assigned_bytes(step, x, y) -> int:
     proto = hlo_pb2.HloProto()
     arguments = (x,) if y is None else (x, y)
     proto.ParseFromString(step.experimental_get_compiler_ir(*arguments)(stage="optimized_hlo_proto_serialized"))
-    return sum(a.size for a in proto.buffer_assignment.buffer_allocations
-               if not (a.is_entry_computation_parameter or a.is_constant or a.is_thread_local))
+    kinds = dict.fromkeys(("parameters", "constants", "other", "outputs", "temp"), 0)
+    for allocation in proto.buffer_assignment.buffer_allocations:
+        if allocation.is_entry_computation_parameter:
+            kinds["parameters"] += allocation.size
+        elif allocation.is_constant:
+            kinds["constants"] += allocation.size
+        elif allocation.is_thread_local:
+            kinds["other"] += allocation.size
+        elif allocation.maybe_live_out:
+            kinds["outputs"] += allocation.size
+        else:
+            kinds["temp"] += allocation.size
+    return kinds
