@@ -173,6 +173,7 @@ def shared_grouped_convolutions(device):
         yield
         return
     from keras.src.backend.tensorflow import nn
+    from keras.src.utils.argument_validation import standardize_tuple
 
     keras_conv = nn.conv
 
@@ -183,19 +184,15 @@ def shared_grouped_convolutions(device):
             return keras_conv(inputs, kernel, strides, padding, data_format, dilation_rate)
         rank = len(inputs.shape) - 2
         # the kernel is a Keras variable: a tensor of it, as the function's argument
-        return _grouped_convolution(inputs, tf.convert_to_tensor(kernel), _per_axis(strides, rank), padding.upper(),
-                                    nn._convert_data_format(data_format, len(inputs.shape)),
-                                    _per_axis(dilation_rate, rank))
+        return _grouped_convolution(inputs, tf.convert_to_tensor(kernel), standardize_tuple(strides, rank, "strides"),
+                                    padding.upper(), nn._convert_data_format(data_format, len(inputs.shape)),
+                                    standardize_tuple(dilation_rate, rank, "dilation_rate"))
 
     nn.conv = conv
     try:
         yield
     finally:
         nn.conv = keras_conv
-
-
-def _per_axis(value, rank) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * rank
 
 
 @tf.function(jit_compile=True)
