@@ -819,6 +819,8 @@ def test_profile_runs_grouped_convolutions_of_a_shape_as_one_function_on_a_gpu_o
     same outputs and gradients as Keras's; as for the CPU, each its own function."""
     from keras.src.backend.tensorflow import nn
 
+    from kvram.remat._profile import shared_grouped_convolutions
+
     keras_conv = nn.conv
     x = tf.random.normal((2, 8, 8, 8))
     first, second = keras.layers.Conv2D(8, 3, groups=4), keras.layers.Conv2D(8, 3, groups=4)
@@ -828,10 +830,11 @@ def test_profile_runs_grouped_convolutions_of_a_shape_as_one_function_on_a_gpu_o
     def two(t):
         return first(t) + second(t)
 
-    on_gpu, on_cpu = _called_functions(_traced("GPU:0", two, x)), _called_functions(_traced("CPU:0", two, x))
+    as_for_gpu = _traced("GPU:0", two, x)
+    on_gpu, on_cpu = _called_functions(as_for_gpu), _called_functions(_traced("CPU:0", two, x))
     assert len(on_gpu) == 2 and len(set(on_gpu)) == 1  # one function for both
     assert len(on_cpu) == 2 and len(set(on_cpu)) == 2  # Keras's own, one each
-    assert "Conv2D" not in {op.type for op in _traced("GPU:0", two, x).get_operations()}
+    assert "Conv2D" not in {op.type for op in as_for_gpu.get_operations()}
     ungrouped = _traced("GPU:0", whole, x)
     assert "Conv2D" in {op.type for op in ungrouped.get_operations()} and not _called_functions(ungrouped)
     assert nn.conv is keras_conv  # put back
@@ -840,8 +843,6 @@ def test_profile_runs_grouped_convolutions_of_a_shape_as_one_function_on_a_gpu_o
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(two(t) ** 2)
         return loss, tape.gradient(loss, first.trainable_variables + second.trainable_variables)
-
-    from kvram.remat._profile import shared_grouped_convolutions
 
     expected = tf.function(loss_and_gradients)(x)  # Keras's own functions (run here, on the CPU)
     with shared_grouped_convolutions("GPU:0"):
