@@ -52,6 +52,9 @@ import numpy as np
 _CHUNK = 8 * 2**20  # bytes per read of a whole-file hash
 CHUNK_BYTES = 256 * 2**10  # the most bytes of a chunk digest's rows (see the module doc)
 _PIECE = 2**20  # the most bytes ChunkCheck.read reads in one call before hashing them
+# Seconds ChunksAhead's threads wait for the reader to move on before they end (reads after
+# that check their chunks themselves).
+_ABANDONED_AFTER = 30.0
 _NAMES = {"sha256": "SHA-256", "xxh3_128": "XXH3-128"}
 
 # Files checked in this process: (device, inode, size, mtime_ns, digest).
@@ -245,6 +248,159 @@ class ChunkCheck:
         if actual != expected:
             raise ChunkMismatch(chunk_lo, chunk_hi, actual, expected)
         self.checked[number] = 1
+
+
+class ChunksAhead:
+    """Background threads checking chunk digests ahead of a reader, in the
+    order it will read them (`ShardedDataset`'s `verify_threads` on machines
+    with more than a few cores): the reads then find their chunks checked and
+    hash nothing themselves. Each thread takes the next span of `spans` (runs
+    of consecutive chunks of one file, at most _PIECE bytes) whose position
+    lies within `lookahead` rows of the furthest position the reader has
+    asked for (`reached`), reads it into a buffer of its own by pread (no page
+    is mapped: a file truncated meanwhile is the reader's `ShardError`, not a
+    SIGBUS), hashes each chunk while it is in the CPU's cache and marks those
+    that match. A chunk that does not match, or that cannot be read, is left
+    unmarked: the read that reaches it checks it itself and raises the error
+    before handing out any of its rows (`ChunkCheck.read`), as without these
+    threads. A chunk the reader reaches first it checks itself; if both hash
+    it, it is marked twice.
+
+    Args:
+        checks: the `ChunkCheck`s the spans refer to.
+        spans: arrays (check, first chunk, last chunk, position), in reading
+            order, positions not decreasing (rows of the epoch's order).
+        threads: background threads (>= 1). lookahead: rows.
+    """
+
+    def __init__(self, checks, spans, threads: int, lookahead: int):
+        self._checks = list(checks)
+        self._check, self._first, self._last, self._position = (np.asarray(a).tolist() for a in spans)
+        self._lookahead = lookahead
+        self._reached = 0
+        self._next = 0
+        self._condition = threading.Condition()
+        self._waiting = 0
+        self._descriptors: dict = {}
+        self._alive = threads
+        for _ in range(threads):
+            threading.Thread(target=self._work, name="kvram-chunk-check", daemon=True).start()
+
+    def reached(self, position: int) -> None:
+        """The reader has asked for rows of the epoch's order up to `position`."""
+        if position <= self._reached:
+            return
+        with self._condition:
+            if position > self._reached:
+                self._reached = position
+                if self._waiting:
+                    self._condition.notify_all()
+
+    def _take(self):
+        """The next span's number, once within the lookahead, or None when all are taken."""
+        with self._condition:
+            number = self._next
+            if number >= len(self._position):
+                return None
+            self._next += 1
+            while self._position[number] > self._reached + self._lookahead:
+                reached = self._reached
+                self._waiting += 1
+                self._condition.wait(_ABANDONED_AFTER)
+                self._waiting -= 1
+                if self._reached == reached:  # no read for that long: the epoch was left
+                    self._next = len(self._position)
+                    return None
+            return number
+
+    def _work(self) -> None:
+        import xxhash
+
+        buffer = None
+        try:
+            while True:
+                number = self._take()
+                if number is None:
+                    return
+                check = self._checks[self._check[number]]
+                low, high = self._first[number], self._last[number]
+                if check.checked.find(0, low, high + 1) < 0:
+                    continue  # the reader checked them first
+                chunk_bytes = check.rows * check.row_bytes
+                size = (min((high + 1) * check.rows, check.samples) - low * check.rows) * check.row_bytes
+                if buffer is None or len(buffer) < size:
+                    buffer = memoryview(bytearray(max(size, _PIECE)))
+                if not self._read(check, buffer[:size], check.offset + low * chunk_bytes):
+                    continue  # the reader's own read says why
+                expected = check.expected()
+                for chunk in range(low, high + 1):
+                    at = (chunk - low) * chunk_bytes
+                    if xxhash.xxh3_64_intdigest(buffer[at:min(at + chunk_bytes, size)]) == expected[chunk]:
+                        check.checked[chunk] = 1
+        finally:
+            with self._condition:
+                self._alive -= 1
+                last = self._alive == 0
+            if last:
+                for descriptor in self._descriptors.values():
+                    os.close(descriptor)
+                self._descriptors.clear()
+
+    def _read(self, check, view, position) -> bool:
+        """Fills `view` from `check`'s file at `position`; False where it cannot."""
+        try:
+            descriptor = self._descriptors.get(check.path)
+            if descriptor is None:
+                with self._condition:
+                    descriptor = self._descriptors.get(check.path)
+                    if descriptor is None:
+                        descriptor = self._descriptors[check.path] = os.open(check.path, os.O_RDONLY)
+            done = 0
+            while done < len(view):
+                count = os.preadv(descriptor, [view[done:]], position + done)
+                if count == 0:
+                    return False
+                done += count
+        except OSError:
+            return False
+        return True
+
+
+def spans_in_order(checks_by_shard, shard_starts, blocks, positions):
+    """The `ChunksAhead` spans of reads of `blocks` ([start, stop) rows of the
+    dataset, each within one shard) at `positions` (the row of the epoch's
+    order each block starts at), in that order: for each block and each
+    field's `ChunkCheck` of its shard (`checks_by_shard[shard]`, a list), the
+    chunks it touches, in runs of at most _PIECE bytes. Returns (checks,
+    spans) for `ChunksAhead`."""
+    checks, numbers = [], {}
+    for per_shard in checks_by_shard:
+        for check in per_shard:
+            numbers[id(check)] = len(checks)
+            checks.append(check)
+    blocks = np.asarray(blocks, np.int64).reshape(-1, 2)
+    positions = np.asarray(positions, np.int64)
+    shard_of = np.searchsorted(np.asarray(shard_starts, np.int64), blocks[:, 0], side="right") - 1
+    parts = []
+    for shard in np.unique(shard_of):
+        mine = np.flatnonzero(shard_of == shard)
+        local = blocks[mine] - shard_starts[shard]
+        for check in checks_by_shard[shard]:
+            per_span = max(1, _PIECE // (check.rows * check.row_bytes))
+            low, high = local[:, 0] // check.rows, (local[:, 1] - 1) // check.rows
+            count = (high - low) // per_span + 1  # spans per block
+            block = np.repeat(np.arange(len(mine)), count)
+            within = np.arange(len(block)) - np.repeat(np.cumsum(count) - count, count)
+            first = low[block] + within * per_span
+            last = np.minimum(first + per_span - 1, high[block])
+            # a span's position: its block's, plus the rows of the block before its first chunk
+            position = positions[mine][block] + np.maximum(0, first * check.rows - local[block, 0])
+            parts.append((np.full(len(block), numbers[id(check)]), first, last, position, mine[block]))
+    if not parts:
+        return checks, tuple(np.zeros(0, np.int64) for _ in range(4))
+    check, first, last, position, block = (np.concatenate(p) for p in zip(*parts))
+    order = np.lexsort((block, position))
+    return checks, (check[order], first[order], last[order], position[order])
 
 
 def _key(path: str, expected: str):
