@@ -42,6 +42,8 @@ def main() -> None:
                         help="keras.applications name:rows")
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile and read the assignment only (no run: for the compile's time under XLA_FLAGS)")
     args = parser.parse_args()
 
     from kvram import memory  # kvram before TensorFlow: the CPU allocator's statistics
@@ -63,6 +65,10 @@ def main() -> None:
         start = time.perf_counter()
         assigned = _check._assignment(step, x, y)
         compiled = time.perf_counter() - start
+        if args.compile_only:
+            results[name] = {"rows": rows, "compile_only_s": round(compiled, 2), "assignment_bytes": assigned}
+            print(name, results[name], flush=True)
+            continue
         start = time.perf_counter()
         # the check's measurement by a run, also where kvram's check reads the assignment instead
         # (an untuned GPU, `_check._reads_assignment`)
@@ -76,7 +82,7 @@ def main() -> None:
             "temp_and_outputs_over_measured": round((assigned["temp"] + assigned["outputs"]) / peak, 4),
         }
         print(name, results[name], flush=True)
-    record = {"device": device, "size": args.size, "models": results}
+    record = {"device": device, "size": args.size, "xla_flags": os.environ.get("XLA_FLAGS", ""), "models": results}
     if args.out:
         common.write_record(args.out, record)
 
