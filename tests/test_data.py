@@ -418,13 +418,12 @@ def test_index_holds_chunk_digests_of_whole_rows(wide):
     assert np.frombuffer(base64.b64decode(entry["chunks"]["xxh3_64"]), "<u8").tolist() == expected
 
 
-@pytest.mark.parametrize("threads", [0, 2])  # the reads alone, or with threads checking ahead of them
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_a_flipped_byte_fails_its_chunk_before_any_of_its_rows_is_read(wide, shuffle, threads):
+def test_a_flipped_byte_fails_its_chunk_before_any_of_its_rows_is_read(wide, shuffle):
     path = os.path.join(wide.directory, "x-00001.npy")
     _flip_a_byte(path, offset_from_end=(32 - 13) * WIDE_ROW * 4 - 8)  # row 13 of shard 1: sample 45
     kvram.data._verify.forget_checked()
-    dataset = ShardedDataset(wide.directory, verify_chunks=True, verify_threads=threads)
+    dataset = ShardedDataset(wide.directory, verify_chunks=True)
     seen = []
     # In order, one read at a time: with parallel reads the corrupt chunk's read may end before
     # those of the chunks before it, and every read after a dataset's first error fails too
@@ -455,7 +454,7 @@ def test_each_chunk_is_hashed_once_as_it_is_read_and_no_file_whole(wide, monkeyp
     real = xxhash.xxh3_64_intdigest
     monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: chunks.append(len(data)) or real(data))
     monkeypatch.setattr(kvram.data._verify, "xxh3_128", lambda path, *a: wholes.append(path))
-    dataset = ShardedDataset(wide.directory, verify_chunks=True, verify_threads=0)
+    dataset = ShardedDataset(wide.directory, verify_chunks=True)
     for _ in range(2):  # batches of 7 rows: most chunks are read in two parts, by two batches
         x = np.concatenate([b.numpy() for b in dataset.to_tf_dataset(7, shuffle=True, seed=0, block_size=3)])
         assert sorted(x[:, 0].astype(int).tolist()) == list(range(64))
@@ -463,97 +462,6 @@ def test_each_chunk_is_hashed_once_as_it_is_read_and_no_file_whole(wide, monkeyp
     assert wholes == []
     list(ShardedDataset(wide.directory, verify_chunks=True).to_tf_dataset(8, shuffle=False))  # a second dataset
     assert len(chunks) == 16
-
-
-def _settled(ahead, timeout=20.0):
-    """Waits until every thread of a `ChunksAhead` waits for the reader or has ended."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while ahead._alive and ahead._waiting < ahead._alive:
-        assert time.monotonic() < deadline, "the threads checking ahead did not settle"
-        time.sleep(0.01)
-
-
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_threads_check_chunks_ahead_of_the_reads_in_their_order(wide, monkeypatch, shuffle):
-    import threading
-
-    import xxhash
-
-    kvram.data._verify.forget_checked()
-    hashed = []
-    real = xxhash.xxh3_64_intdigest
-    monkeypatch.setattr(xxhash, "xxh3_64_intdigest",
-                        lambda data: hashed.append(threading.current_thread().name) or real(data))
-    monkeypatch.setattr(kvram.data._dataset, "_AHEAD_BYTES", 4 * WIDE_ROW * 4)  # a chunk a thread
-    dataset = ShardedDataset(wide.directory, verify_chunks=True, verify_threads=2)
-    dataset._start_chunks_ahead(["x"], dataset._epoch_plan(3, 5) if shuffle else None)
-    ahead = dataset._ahead
-    _settled(ahead)
-    # Nothing read yet: the threads checked the chunks of the first 8 rows of the order (2 threads x 1
-    # chunk of lookahead), each once, and wait for the reader.
-    checks = {id(c): c for s in dataset._shards for c in s.chunks.values()}.values()
-    done = sorted((c.path[-9:], n) for c in checks for n in range(c.count) if c.checked[n])
-    blocks, ends = dataset._epoch_plan(3, 5) if shuffle else (np.array([[0, 64]]), np.array([64]))
-    order = []  # the chunks in reading order, each first where the order first reads it
-    for start, stop in blocks:
-        for row in range(start, stop):
-            chunk = (f"{row // 32:05d}.npy", (row % 32) // 4)
-            if chunk not in order:
-                order.append(chunk)
-    first_rows = {c for (start, stop), end in zip(blocks, ends) for row in range(start, stop)
-                  if end - (stop - start) + row - start < 8 for c in [(f"{row // 32:05d}.npy", (row % 32) // 4)]}
-    assert set(done) >= first_rows and len(done) <= len(first_rows) + 2, (done, first_rows)
-    assert all(name == "kvram-chunk-check" for name in hashed)
-    # The reads move them on; the epoch is whole and bit-identical, every chunk checked.
-    x = np.concatenate([b.numpy() for b in dataset.to_tf_dataset(4, shuffle=shuffle, seed=5, block_size=3)])
-    ids = x[:, 0].astype(int)
-    assert sorted(ids.tolist()) == list(range(64))
-    np.testing.assert_array_equal(x, np.repeat(ids[:, None].astype("float32"), WIDE_ROW, axis=1))
-    _settled(ahead)
-    assert all(c.checked.count(1) == c.count for c in checks)
-    assert 16 <= len(hashed) <= 32, "each chunk hashed once, or twice where a read and a thread met"
-    assert ahead._alive == 0 and ahead._descriptors == {}, "the threads ended, their files closed"
-
-
-def test_threads_checking_ahead_end_when_the_reads_stop(wide, monkeypatch):
-    monkeypatch.setattr(kvram.data._verify, "_ABANDONED_AFTER", 0.2)
-    monkeypatch.setattr(kvram.data._dataset, "_AHEAD_BYTES", 4 * WIDE_ROW * 4)
-    kvram.data._verify.forget_checked()
-    dataset = ShardedDataset(wide.directory, verify_chunks=True, verify_threads=2)
-    next(iter(dataset.to_tf_dataset(4, shuffle=False, num_parallel_reads=1)))  # one batch of an epoch
-    ahead = dataset._ahead
-    import time
-
-    deadline = time.monotonic() + 20
-    while ahead._alive:
-        assert time.monotonic() < deadline, "threads still waiting for a reader that left"
-        time.sleep(0.05)
-    checked = sum(c.checked.count(1) for s in dataset._shards for c in s.chunks.values())
-    assert 1 <= checked < 16  # the first rows' chunks, not the epoch's
-    # a later read checks its own chunks
-    x = np.concatenate([b.numpy() for b in dataset.to_tf_dataset(16, shuffle=False)])
-    np.testing.assert_array_equal(x[:, 0], np.arange(64, dtype="float32"))
-    assert sum(c.checked.count(1) for s in dataset._shards for c in s.chunks.values()) == 16
-
-
-def test_spans_in_order_follow_blocks_across_chunks_and_shards():
-    from types import SimpleNamespace
-
-    from kvram.data._verify import spans_in_order
-
-    # two shards of 20 rows, chunks of 4 rows of 64 KiB (so 4 chunks a span of 1 MiB)
-    a, b = (SimpleNamespace(rows=4, row_bytes=2**16) for _ in range(2))
-    blocks = [(22, 25), (3, 4), (0, 20)]  # shard 1 rows 2-4, shard 0 row 3, shard 0 whole
-    checks, (check, first, last, position) = spans_in_order([[a], [b]], [0, 20], blocks, [0, 3, 4])
-    assert checks == [a, b]
-    assert list(zip(check, first, last, position)) == [
-        (1, 0, 1, 0),  # rows 2-4 of shard 1: chunks 0-1, at the order's row 0
-        (0, 0, 0, 3),  # row 3 of shard 0: chunk 0, at row 3
-        (0, 0, 3, 4),  # shard 0 whole, from row 4 of the order: chunks 0-3 (1 MiB)...
-        (0, 4, 4, 20),  # ... and chunk 4, 16 rows later
-    ]
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -608,14 +516,6 @@ def test_verify_chunks_by_default_follows_the_cores(wide, monkeypatch, cores, ch
     monkeypatch.setattr(kvram.data._dataset, "_cores", lambda: cores)
     dataset = ShardedDataset(wide.directory)
     assert dataset.verify_chunks is chunked and dataset._chunked is chunked
-
-
-@pytest.mark.parametrize("cores,threads,ahead", [(2, None, 0), (4, None, 0), (8, None, 4), (16, None, 4),
-                                                 (2, 3, 3), (16, 0, 0)])
-def test_threads_checking_chunks_ahead_by_default_where_there_are_cores(wide, monkeypatch, cores, threads, ahead):
-    monkeypatch.setattr(kvram.data._dataset, "_cores", lambda: cores)
-    dataset = ShardedDataset(wide.directory, verify_chunks=True, verify_threads=threads)
-    assert dataset._chunk_threads == ahead
 
 
 def test_verify_chunks_refuses_what_is_not_a_bool_or_none(wide):

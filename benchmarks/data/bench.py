@@ -96,23 +96,20 @@ def io(args):
         for start in range(0, rows, batch):
             consume(data.read(start, min(start + batch, rows), [field])[field])
 
-    def kvram_pipeline(shuffle, verify=True, reads=1, read="pread", whole=False, threads=0):
+    def kvram_pipeline(shuffle, verify=True, reads=1, read="pread", whole=False):
         """A fresh dataset and pipeline each round, checked and unchecked alike, so
         that `verify_cost` compares the same work but the check. With `verify`, every
         byte is checked on its first read (this process forgets earlier checks first):
         a first epoch, the check's worst case. Chunk digests are checked as they
-        are read (`verify_chunks=True`): by the reads themselves (`threads` 0), or
-        also by `threads` threads ahead of them (`verify_threads`); or with `whole`
-        each file is checked whole before its first read, on background threads
-        (`verify_chunks=False`, the default threads, and the check of an index
-        without chunk digests). (`raw` reads one ShardedDataset's
+        are read (`verify_chunks=True`), or with `whole` each file is checked whole
+        before its first read, on background threads (`verify_chunks=False`, and
+        the check of an index without chunk digests). (`raw` reads one ShardedDataset's
         memmaps every round: its first round maps the pages, 1.8 s for 1 GiB on the
         2-core VM, then 0.06 s.)"""
 
         def run():
             _verify.forget_checked()
-            fresh = ShardedDataset(directory, verify_on_read=verify, verify_chunks=not whole,
-                                   verify_threads=None if whole else threads)
+            fresh = ShardedDataset(directory, verify_on_read=verify, verify_chunks=not whole)
             for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0, num_parallel_reads=reads, read=read):
                 consume(item)
         return run
@@ -156,8 +153,6 @@ def io(args):
         "kvram_shuffled_unverified": kvram_pipeline(True, verify=False),
         "kvram_autotune": kvram_pipeline(False, reads=-1),
         "kvram_shuffled_autotune": kvram_pipeline(True, reads=-1),
-        "kvram_ahead_autotune": kvram_pipeline(False, reads=-1, threads=args.ahead_threads),
-        "kvram_shuffled_ahead_autotune": kvram_pipeline(True, reads=-1, threads=args.ahead_threads),
         "kvram_whole_autotune": kvram_pipeline(False, reads=-1, whole=True),
         "kvram_shuffled_whole_autotune": kvram_pipeline(True, reads=-1, whole=True),
         "kvram_unverified_autotune": kvram_pipeline(False, verify=False, reads=-1),
@@ -199,8 +194,7 @@ def io(args):
         if not name.startswith("kvram") or "unverified" in name:
             continue
         base = "kvram_shuffled" if name.startswith("kvram_shuffled") else "kvram"
-        # kvram_view: kvram_unverified_view; kvram_whole_autotune, kvram_ahead_autotune: kvram_unverified_autotune
-        unverified = base + "_unverified" + name[len(base):].replace("_whole", "").replace("_ahead", "")
+        unverified = base + "_unverified" + name[len(base):].replace("_whole", "")  # kvram_view: kvram_unverified_view
         if unverified in results:
             results[name]["verify_cost"] = 1 - results[name]["gb_per_s"] / results[unverified]["gb_per_s"]
     return {"bytes": nbytes, "rows": rows, "repeat": args.repeat, "row_bytes": int(np.prod(width)) * 4, "batch": batch,
@@ -343,8 +337,6 @@ def main(argv=None):
     p_io = shard_reader("io", 1.0)
     p_io.add_argument("--cached", action="store_true", help="do not evict the page cache")
     p_io.add_argument("--methods", nargs="*")
-    p_io.add_argument("--ahead-threads", type=int, default=4,
-                      help="threads checking chunks ahead of the reads in the *_ahead_* methods")
     p_io.add_argument("--repeat", type=int, default=1,
                       help="passes per method, round-robin; the median is reported")
     shard_reader("rss", 8.0)

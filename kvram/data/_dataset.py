@@ -7,7 +7,6 @@ import functools
 import json
 import math
 import os
-import threading
 import warnings
 
 import numpy as np
@@ -24,8 +23,6 @@ from kvram.data._format import INDEX, ShardError
 # whole files; on a 16-core GPU host 17-29% against 8-12%. Between 2 and 16 cores
 # it was not measured.
 CHUNK_CHECKS_UP_TO_CORES = 4
-# Bytes of rows each thread checking chunks ahead of the reads may run ahead of them.
-_AHEAD_BYTES = 64 * 2**20
 
 
 def _cores() -> int:
@@ -99,14 +96,10 @@ class ShardedDataset:
         self.verify_chunks = verify_chunks
         if verify_threads is None:
             verify_threads = max(1, min(4, _cores() // 2))
-            # chunks: the reads hash them themselves on small machines (measured: no idle core)
-            self._chunk_threads = 0 if _cores() <= CHUNK_CHECKS_UP_TO_CORES else verify_threads
         elif isinstance(verify_threads, bool) or not isinstance(verify_threads, int) or verify_threads < 0:
             raise ValueError(
                 f"`verify_threads` must be None or an int >= 0. Received: verify_threads={verify_threads!r}"
             )
-        else:
-            self._chunk_threads = verify_threads
         self.verify_threads = verify_threads
         self.directory = os.path.abspath(os.fspath(directory))
         index_path = os.path.join(self.directory, INDEX)
@@ -128,7 +121,6 @@ class ShardedDataset:
         self._starts = np.array([s.start for s in self._shards] + [len(self)], dtype=np.int64)
         self._chunked = all(len(s.chunks) == len(s.paths) for s in self._shards)
         self._verifier = None
-        self._ahead, self._ahead_lock = None, threading.Lock()
         if self.verify_on_read:
             unchecked = sum(
                 expected is None for shard in self._shards for _, (_, expected) in shard.files
@@ -253,26 +245,6 @@ class ShardedDataset:
             order = shard_of[np.sort(first)]
         self._verifier.start(order)
 
-    def _start_chunks_ahead(self, names, plan) -> None:
-        """Starts, once (for the first epoch read), the threads that check
-        chunk digests ahead of the reads (`_verify.ChunksAhead`), in the order
-        of `plan` (the epoch's (blocks, ends), `_epoch_plan`), or of the
-        shards where None (reads in order)."""
-        with self._ahead_lock:
-            if self._ahead is not None:
-                return
-            if plan is None:
-                blocks = [(s.start, s.start + s.samples) for s in self._shards]
-                positions = [s.start for s in self._shards]
-            else:
-                blocks, ends = plan
-                positions = ends - (blocks[:, 1] - blocks[:, 0])
-            per_shard = [[s.chunks[n] for n in names if n in s.chunks] for s in self._shards]
-            checks, spans = _verify.spans_in_order(per_shard, self._starts[:-1], blocks, positions)
-            row_bytes = max(1, sum(c.row_bytes for c in per_shard[0]))
-            self._ahead = _verify.ChunksAhead(
-                checks, spans, self._chunk_threads, lookahead=max(1, _AHEAD_BYTES * self._chunk_threads // row_bytes))
-
     # -- tf.data
     def to_tf_dataset(
         self,
@@ -378,11 +350,6 @@ class ShardedDataset:
             if self._verifier is not None and ((read == "memmap" and not shuffle) or not self._chunked):
                 # Files with chunk digests are checked as they are read (Shard.read_into).
                 self._start_verification(plan(int(epoch_seed))[0][:, 0] if shuffle else None)
-            elif self._verifier is not None and self._chunk_threads:
-                # ... and by threads ahead of the reads, where they have cores to run on
-                if self._ahead is None:
-                    self._start_chunks_ahead(names, plan(int(epoch_seed)) if shuffle else None)
-                self._ahead.reached(stop)
             if not shuffle:
                 self._read_into(start, stop, outs, 0)
                 return [outs[n] for n in names]
