@@ -25,7 +25,8 @@ chunk of its payload: `chunk_rows(row_bytes)` rows, a power of two of at most
 256 KiB (one row where a row is larger). The pread reader (`ChunkCheck.read`)
 then checks only the chunks a read touches, as it reads them: it reads a piece
 of at most 1 MiB, hashes its chunks while they are in the CPU's cache (~110-130
-GB/s a core on the 2-core VM, against ~33 from memory; xxhash releases the GIL)
+GB/s a core on the 2-core VM, against ~33 from memory; xxhash 4 releases the GIL
+for inputs over 64 KiB, xxhash 3 did not for these one-shot calls)
 and hands out nothing of a chunk that failed. A chunk that a read covers only
 in part has its other rows read too, once (a bitmap per file remembers the
 chunks this process checked), so reads in whole chunks cost no extra bytes:
