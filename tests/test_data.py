@@ -515,7 +515,79 @@ def test_verify_chunks_false_still_fails_a_flipped_byte(wide):
 def test_verify_chunks_by_default_follows_the_cores(wide, monkeypatch, cores, chunked):
     monkeypatch.setattr(kvram.data._dataset, "_cores", lambda: cores)
     dataset = ShardedDataset(wide.directory)
-    assert dataset.verify_chunks is chunked and dataset._chunked is chunked
+    # larger machines check whole files, and keep the chunk digests for reads that come first
+    assert dataset.verify_chunks is chunked and dataset._chunked
+    assert dataset._chunks_until_whole is not chunked
+    for explicit in (True, False):
+        assert not ShardedDataset(wide.directory, verify_chunks=explicit)._chunks_until_whole
+
+
+class _HeldWholeChecks:
+    """Whole-file checks (`_verify.xxh3_128`) that wait until `release()`, counted."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        self.files, self._go, real = [], threading.Event(), kvram.data._verify.xxh3_128
+        monkeypatch.setattr(kvram.data._verify, "xxh3_128",
+                            lambda path, *a: self._go.wait(60) and (self.files.append(path) or real(path, *a)))
+
+    def release(self):
+        self._go.set()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_on_larger_machines_reads_check_chunks_until_their_file_is_checked_whole(wide, monkeypatch, shuffle):
+    import time
+
+    import xxhash
+
+    monkeypatch.setattr(kvram.data._dataset, "_cores", lambda: 16)
+    kvram.data._verify.forget_checked()
+    chunks, real = [], xxhash.xxh3_64_intdigest
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", lambda data: chunks.append(len(data)) or real(data))
+    held = _HeldWholeChecks(monkeypatch)
+    dataset = ShardedDataset(wide.directory)
+    # While the background threads hash whole files (held here), the reads wait for none: they check
+    # the chunks they read, and the epoch is whole and bit-identical.
+    x = np.concatenate([b.numpy() for b in dataset.to_tf_dataset(7, shuffle=shuffle, seed=0, block_size=3)])
+    ids = x[:, 0].astype(int)
+    assert sorted(ids.tolist()) == list(range(64))
+    np.testing.assert_array_equal(x, np.repeat(ids[:, None].astype("float32"), WIDE_ROW, axis=1))
+    assert len(chunks) == 16 and held.files == []
+    # Once the files are checked whole, reads check no chunk (a dataset whose chunks this process
+    # has not seen: forget_checked); the whole checks ran once per file.
+    held.release()
+    deadline = time.monotonic() + 30
+    while not all(dataset._verifier._done):
+        assert time.monotonic() < deadline, "the background threads did not check the files"
+        time.sleep(0.01)
+    assert sorted(map(os.path.basename, held.files)) == ["x-00000.npy", "x-00001.npy"]
+    for check in (c for s in dataset._shards for c in s.chunks.values()):
+        check.checked[:] = bytes(check.count)
+    chunks.clear()
+    x = np.concatenate([b.numpy() for b in dataset.to_tf_dataset(7, shuffle=shuffle, seed=1, block_size=3)])
+    assert sorted(x[:, 0].astype(int).tolist()) == list(range(64)) and chunks == []
+
+
+@pytest.mark.parametrize("held", [True, False])  # the reads find the flip, or the whole check may first
+def test_on_larger_machines_a_flipped_byte_fails_before_any_row_of_its_chunk_is_read(wide, monkeypatch, held):
+    monkeypatch.setattr(kvram.data._dataset, "_cores", lambda: 16)
+    path = os.path.join(wide.directory, "x-00001.npy")
+    _flip_a_byte(path, offset_from_end=(32 - 13) * WIDE_ROW * 4 - 8)  # row 13 of shard 1: sample 45
+    kvram.data._verify.forget_checked()
+    whole = _HeldWholeChecks(monkeypatch)
+    if not held:
+        whole.release()
+    seen = []
+    with pytest.raises(Exception, match="checksum mismatch") as error:
+        for x in ShardedDataset(wide.directory).to_tf_dataset(4, shuffle=False, num_parallel_reads=1):
+            seen.extend(x.numpy()[:, 0].astype(int).tolist())
+    whole.release()
+    assert path in str(error.value)
+    assert not any(44 <= i < 48 for i in seen), "a row of the corrupt chunk was handed out"
+    if held:
+        assert "XXH3-64" in str(error.value) and seen == list(range(44)), "the reads checked the chunks"
 
 
 def test_verify_chunks_refuses_what_is_not_a_bool_or_none(wide):

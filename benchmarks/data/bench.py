@@ -96,20 +96,22 @@ def io(args):
         for start in range(0, rows, batch):
             consume(data.read(start, min(start + batch, rows), [field])[field])
 
-    def kvram_pipeline(shuffle, verify=True, reads=1, read="pread", whole=False):
+    def kvram_pipeline(shuffle, verify=True, reads=1, read="pread", whole=False, default=False):
         """A fresh dataset and pipeline each round, checked and unchecked alike, so
         that `verify_cost` compares the same work but the check. With `verify`, every
         byte is checked on its first read (this process forgets earlier checks first):
         a first epoch, the check's worst case. Chunk digests are checked as they
         are read (`verify_chunks=True`), or with `whole` each file is checked whole
         before its first read, on background threads (`verify_chunks=False`, and
-        the check of an index without chunk digests). (`raw` reads one ShardedDataset's
+        the check of an index without chunk digests), or with `default` as
+        `verify_chunks=None` chooses for this machine's cores (above 4: whole
+        files, the reads checking chunks of a file until its whole check is done). (`raw` reads one ShardedDataset's
         memmaps every round: its first round maps the pages, 1.8 s for 1 GiB on the
         2-core VM, then 0.06 s.)"""
 
         def run():
             _verify.forget_checked()
-            fresh = ShardedDataset(directory, verify_on_read=verify, verify_chunks=not whole)
+            fresh = ShardedDataset(directory, verify_on_read=verify, verify_chunks=None if default else not whole)
             for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0, num_parallel_reads=reads, read=read):
                 consume(item)
         return run
@@ -154,6 +156,8 @@ def io(args):
         "kvram_autotune": kvram_pipeline(False, reads=-1),
         "kvram_shuffled_autotune": kvram_pipeline(True, reads=-1),
         "kvram_whole_autotune": kvram_pipeline(False, reads=-1, whole=True),
+        "kvram_default_autotune": kvram_pipeline(False, reads=-1, default=True),
+        "kvram_shuffled_default_autotune": kvram_pipeline(True, reads=-1, default=True),
         "kvram_shuffled_whole_autotune": kvram_pipeline(True, reads=-1, whole=True),
         "kvram_unverified_autotune": kvram_pipeline(False, verify=False, reads=-1),
         "kvram_shuffled_unverified_autotune": kvram_pipeline(True, verify=False, reads=-1),
@@ -194,7 +198,8 @@ def io(args):
         if not name.startswith("kvram") or "unverified" in name:
             continue
         base = "kvram_shuffled" if name.startswith("kvram_shuffled") else "kvram"
-        unverified = base + "_unverified" + name[len(base):].replace("_whole", "")  # kvram_view: kvram_unverified_view
+        # kvram_view: kvram_unverified_view; kvram_whole_autotune, kvram_default_autotune: kvram_unverified_autotune
+        unverified = base + "_unverified" + name[len(base):].replace("_whole", "").replace("_default", "")
         if unverified in results:
             results[name]["verify_cost"] = 1 - results[name]["gb_per_s"] / results[unverified]["gb_per_s"]
     return {"bytes": nbytes, "rows": rows, "repeat": args.repeat, "row_bytes": int(np.prod(width)) * 4, "batch": batch,

@@ -67,10 +67,13 @@ class ShardedDataset:
             whole files are checked (see above; 0: each shard is checked by
             the read that first needs it).
         verify_chunks: None (default: chunks where this process has at most
-            4 CPU cores, whole files on larger machines, which hash on their
-            idle cores at less cost; measured in `benchmarks/README.md`),
-            True (chunks as they are read, where the index has them) or False
-            (whole files on the background threads).
+            4 CPU cores; on larger machines whole files on the background
+            threads, which hash on idle cores at less cost, while the pread
+            reads check the chunks of a file whose whole check has not
+            finished instead of waiting for it; measured in
+            `benchmarks/README.md`), True (chunks as they are read, where the
+            index has them) or False (whole files on the background threads,
+            each read waiting for its file's).
 
     Raises:
         ShardError: at open time, for an index or file that does not match.
@@ -87,6 +90,9 @@ class ShardedDataset:
         verify_chunks: bool | None = None,
     ):
         self.verify_on_read = _checks.boolean("verify_on_read", verify_on_read)
+        # Where the default checks whole files (larger machines), the reads check the chunks of a
+        # file whose whole check has not finished yet instead of waiting for it (`Shard.read_into`).
+        self._chunks_until_whole = verify_chunks is None and _cores() > CHUNK_CHECKS_UP_TO_CORES
         if verify_chunks is None:
             verify_chunks = _cores() <= CHUNK_CHECKS_UP_TO_CORES
         elif not isinstance(verify_chunks, bool):
@@ -115,9 +121,11 @@ class ShardedDataset:
         self.index = index
         self.fields = _shard.check_index(index, index_path)
         self._shards = _shard.check_shards(self.directory, self.fields, index, index_path)
-        if not self.verify_chunks:
+        if not (self.verify_chunks or self._chunks_until_whole):
             for shard in self._shards:
                 shard.chunks = {}  # whole files, checked on the background threads
+        for shard in self._shards:
+            shard.chunks_until_whole = self._chunks_until_whole
         self._starts = np.array([s.start for s in self._shards] + [len(self)], dtype=np.int64)
         self._chunked = all(len(s.chunks) == len(s.paths) for s in self._shards)
         self._verifier = None
@@ -347,7 +355,9 @@ class ShardedDataset:
                 if views is not None:
                     return views
             outs = {n: buffers.take((stop - start,) + self.fields[n][1], self.fields[n][0]) for n in names}
-            if self._verifier is not None and ((read == "memmap" and not shuffle) or not self._chunked):
+            if self._verifier is not None and (
+                (read == "memmap" and not shuffle) or not self._chunked or self._chunks_until_whole
+            ):
                 # Files with chunk digests are checked as they are read (Shard.read_into).
                 self._start_verification(plan(int(epoch_seed))[0][:, 0] if shuffle else None)
             if not shuffle:

@@ -97,6 +97,8 @@ class Shard:
         self.files = [(paths[name], digests[name]) for name in paths]
         self.chunks = chunks or {}  # {field: _verify.ChunkCheck}, for the fields whose index has chunk digests
         self.verifier: _verify.ShardVerifier | None = None
+        # checked whole on background threads, the reads checking the chunks they read until then
+        self.chunks_until_whole = False
         self._arrays: dict | None = None
         self._handles: dict = {}
         self._lock = threading.Lock()
@@ -115,11 +117,16 @@ class Shard:
         copies from the page cache into `out` with Python's GIL released, and
         no page of a memmap is faulted in. A file with chunk digests is
         checked chunk by chunk as it is read (`_verify.ChunkCheck`), others
-        whole before their first read (`ShardVerifier.ensure`)."""
+        whole before their first read (`ShardVerifier.ensure`). With
+        `chunks_until_whole`, the chunks are checked as they are read only
+        until a background thread has checked the shard's files whole: a read
+        never waits for a whole file's hash."""
         chunks = self.chunks.get(name) if self.verifier is not None else None
         if self.verifier is not None:
             if chunks is None:
                 self.verifier.ensure(self.number)
+            elif self.chunks_until_whole and self.verifier.reached(self.number):
+                chunks = None  # its files were checked whole
             else:
                 self.verifier.raise_error()
         if out.nbytes == 0:  # rows of no bytes (a field of empty samples): nothing to read

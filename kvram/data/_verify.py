@@ -290,6 +290,16 @@ class ShardVerifier:
                 self._check(number)
         self.raise_error()
 
+    def reached(self, number: int) -> bool:
+        """Whether shard `number` is checked whole (raises the first error
+        found, if any); if not, lets the background threads check up to
+        `lookahead` shards beyond it, as `ensure` does, without waiting."""
+        self.raise_error()
+        if self._done[number]:
+            return True
+        self._advance(number)
+        return False
+
     def raise_error(self) -> None:
         """Raises the first error found, if any (reads of chunk-checked files
         ask this alone, without `ensure`'s whole-file check)."""
