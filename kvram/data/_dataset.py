@@ -18,10 +18,12 @@ from kvram.data._format import INDEX, ShardError
 
 
 # `verify_chunks=None` checks chunks as they are read on machines of up to this many
-# cores, and whole files on background threads on larger ones. Measured first epochs
-# (benchmarks/README.md, data): on 2 cores chunks cost 6.5-14% against 21-54% for
-# whole files; on a 16-core GPU host 17-29% against 8-12%. Between 2 and 16 cores
-# it was not measured.
+# cores, and whole files on background threads on larger ones (a read that comes first
+# checking its chunks instead of waiting). Measured first epochs (benchmarks/README.md,
+# data): on 2 cores chunks cost 6.5-14% against 21-54% for whole files; on a 16-core
+# GPU host chunks 17-29% against 8-12% for whole files waited for, and 6.6% or less in
+# order, 10.5-10.6% shuffled, with the reads checking chunks until then. Between 2 and
+# 16 cores it was not measured.
 CHUNK_CHECKS_UP_TO_CORES = 4
 
 
