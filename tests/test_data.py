@@ -555,8 +555,8 @@ def test_on_larger_machines_reads_check_chunks_until_their_file_is_checked_whole
     assert sorted(ids.tolist()) == list(range(64))
     np.testing.assert_array_equal(x, np.repeat(ids[:, None].astype("float32"), WIDE_ROW, axis=1))
     assert len(chunks) == 16 and held.files == []
-    # Once the files are checked whole, reads check no chunk (a dataset whose chunks this process
-    # has not seen: forget_checked); the whole checks ran once per file.
+    # Once the files are checked whole, reads check no chunk, not even those this process has not
+    # checked (the bitmaps cleared here); the whole checks ran once per file.
     held.release()
     deadline = time.monotonic() + 30
     while not all(dataset._verifier._done):

@@ -54,7 +54,9 @@ class ShardedDataset:
     (`read="memmap"`, `"view"`, `read()`) and directories written before
     chunk digests, whole files are checked (XXH3-128, or SHA-256 for
     directories written without it) on background threads a few shards ahead
-    of the reader, each before its first read. Each chunk or file is hashed once per
+    of the reader, each before its first read; where the default chose whole
+    files (more than 4 cores), a pread read that comes to a file before its
+    whole check is done checks its chunks instead. Each chunk or file is hashed once per
     process (again only if it changed on disk); later epochs cost nothing.
     Measured cost: `benchmarks/README.md` (data). Files written with
     `checksum=False` have no checksum to compare and are read unchecked (a
@@ -67,7 +69,8 @@ class ShardedDataset:
         verify_threads: None (up to 4, half the CPU cores) or int >= 0, the
             background threads checking whole files ahead of the reader, where
             whole files are checked (see above; 0: each shard is checked by
-            the read that first needs it).
+            the read that first needs it: whole, or chunk by chunk where the
+            default checks chunks until a file's whole check is done).
         verify_chunks: None (default: chunks where this process has at most
             4 CPU cores; on larger machines whole files on the background
             threads, which hash on idle cores at less cost, while the pread
@@ -360,7 +363,8 @@ class ShardedDataset:
             if self._verifier is not None and (
                 (read == "memmap" and not shuffle) or not self._chunked or self._chunks_until_whole
             ):
-                # Files with chunk digests are checked as they are read (Shard.read_into).
+                # Whole files on the background threads (else files with chunk digests are only
+                # checked as they are read, Shard.read_into).
                 self._start_verification(plan(int(epoch_seed))[0][:, 0] if shuffle else None)
             if not shuffle:
                 self._read_into(start, stop, outs, 0)

@@ -36,6 +36,12 @@ and the data is not read twice from the page cache on its first epoch. The
 `.npy` header is not in any chunk: opening checks it (dtype, shape, order,
 size). Memory-mapped reads (`read="memmap"`, `"view"`, `ShardedDataset.read`)
 and indexes without chunk digests use the whole-file check above.
+
+Both at once, where a dataset checks whole files on the background threads but
+keeps the chunk digests for its pread reads (`ShardedDataset`'s default on
+machines of more than 4 cores): a read asks `ShardVerifier.reached(shard)`,
+which says without waiting whether the shard was checked whole; until it was,
+the read checks the chunks it reads.
 """
 
 from __future__ import annotations
