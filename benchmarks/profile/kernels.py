@@ -341,9 +341,15 @@ def by_part(kernels, steps: int, op_names=None) -> dict:
     return {k: round(v / steps / 1e3, 3) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])}
 
 
-def hlo_op_names(directory: str) -> dict:
-    """{instruction name: TensorFlow op name} of the largest optimized HLO
-    module dumped under `directory` (`--xla_dump_to`, `--xla_dump_hlo_as_text`)."""
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\(.*?op_name=\"([^\"]*)\"")
+
+
+def hlo_instructions(directory: str) -> dict:
+    """{instruction name: (result shape, HLO opcode, TensorFlow op name)} of
+    the largest optimized HLO module dumped under `directory` (`--xla_dump_to`,
+    `--xla_dump_hlo_as_text`): what a fused kernel named after its instruction
+    (`input_reduce_fusion.138`) computes."""
     import glob
     import os
 
@@ -353,7 +359,21 @@ def hlo_op_names(directory: str) -> dict:
     found = {}
     with open(max(modules, key=os.path.getsize)) as f:
         for line in f:
-            match = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name=\"([^\"]*)\"", line)
+            match = _INSTRUCTION.match(line)
             if match:
-                found[match.group(1)] = match.group(2)
+                found[match.group(1)] = match.group(2, 3, 4)
     return found
+
+
+def hlo_op_names(directory: str) -> dict:
+    """{instruction name: TensorFlow op name}, from `hlo_instructions`."""
+    return {name: op_name for name, (_, _, op_name) in hlo_instructions(directory).items()}
+
+
+def describe_top_kernels(profile: dict, instructions: dict) -> None:
+    """Adds to each of `breakdown`'s top kernels the result shape, opcode and
+    TensorFlow op name of its HLO instruction, where the dump has it."""
+    for kernel in profile.get("top_kernels", []):
+        found = instructions.get(kernel["op"])
+        if found:
+            kernel["hlo_shape"], kernel["hlo_opcode"], kernel["tf_op"] = found[0][:200], found[1], found[2][:300]

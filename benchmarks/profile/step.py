@@ -8,7 +8,9 @@ backward-data / backward-filter, batch norm, element-wise, optimizer update,
 loss-scaling checks, layout transposes, copies, and the GPU's idle time inside
 the profiled window (host gaps between launches). XLA configurations also dump
 the optimized HLO (`XLA_FLAGS=--xla_dump_to`), so that each fused kernel can be
-traced back to the Keras layer it came from.
+traced back to the Keras layer it came from: for ViT-B and the decoder the top
+kernels carry their HLO instruction's result shape, opcode and TensorFlow op
+name (`hlo_shape`, `hlo_opcode`, `tf_op`).
 
     python benchmarks/profile/step.py --out profile.json                 # all configs
     python benchmarks/profile/step.py --only tf_fp16_xla --only torch_fp16
@@ -142,7 +144,8 @@ def run_tf(name, settings, args):
     import tensorflow as tf
 
     from kernels import (
-        breakdown, by_part, gaps, hlo_op_names, host_busy, host_during_gaps, read_xspace, xspace_host_events,
+        breakdown, by_part, describe_top_kernels, gaps, hlo_instructions, host_busy, host_during_gaps, read_xspace,
+        xspace_host_events,
         xspace_kernels,
     )
 
@@ -195,9 +198,11 @@ def run_tf(name, settings, args):
                 result["host_during_gaps"] = host_during_gaps(kernels, host_events, profile_steps)
                 result["host_busy"] = host_busy(host_events, kernels, profile_steps)
         if kernels and args.model in _BY_PART:
-            op_names = hlo_op_names(_xla_dump_dir(args.raw_dir, name))
+            instructions = hlo_instructions(_xla_dump_dir(args.raw_dir, name))
+            op_names = {n: op_name for n, (_, _, op_name) in instructions.items()}
             result["profile"]["hlo_instructions_named"] = len(op_names)
             result["profile"]["parts_ms_per_step"] = by_part(kernels, profile_steps, op_names)
+            describe_top_kernels(result["profile"], instructions)
         _keep_raw(args.raw_dir, name, kernels)
     except Exception as error:  # noqa: BLE001 - the timing above still stands
         result["profile"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
