@@ -95,16 +95,17 @@ class ShardedDataset:
         verify_chunks: bool | None = None,
     ):
         self.verify_on_read = _checks.boolean("verify_on_read", verify_on_read)
-        # Where the default checks whole files (larger machines), the reads check the chunks of a
-        # file whose whole check has not finished yet instead of waiting for it (`Shard.read_into`).
-        self._chunks_until_whole = verify_chunks is None and _cores() > CHUNK_CHECKS_UP_TO_CORES
-        if verify_chunks is None:
+        chosen = verify_chunks is None
+        if chosen:
             verify_chunks = _cores() <= CHUNK_CHECKS_UP_TO_CORES
         elif not isinstance(verify_chunks, bool):
             raise TypeError(
                 f"`verify_chunks` must be None, True or False. Received: verify_chunks={verify_chunks!r}"
             )
         self.verify_chunks = verify_chunks
+        # Where the default checks whole files (larger machines), the reads check the chunks of a
+        # file whose whole check has not finished yet instead of waiting for it (`Shard.read_into`).
+        self._chunks_until_whole = chosen and not verify_chunks
         if verify_threads is None:
             verify_threads = max(1, min(4, _cores() // 2))
         elif isinstance(verify_threads, bool) or not isinstance(verify_threads, int) or verify_threads < 0:

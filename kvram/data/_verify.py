@@ -287,10 +287,8 @@ class ShardVerifier:
 
     def ensure(self, number: int) -> None:
         """Returns once shard `number` is checked; raises the first error found."""
-        self.raise_error()
-        if self._done[number]:
+        if self.reached(number):
             return
-        self._advance(number)
         with self._locks[number]:  # waits here while a background thread checks it
             if not self._done[number] and self.error is None:
                 self._check(number)
@@ -299,7 +297,7 @@ class ShardVerifier:
     def reached(self, number: int) -> bool:
         """Whether shard `number` is checked whole (raises the first error
         found, if any); if not, lets the background threads check up to
-        `lookahead` shards beyond it, as `ensure` does, without waiting."""
+        `lookahead` shards beyond it, without waiting (`ensure` then waits)."""
         self.raise_error()
         if self._done[number]:
             return True
