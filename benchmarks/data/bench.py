@@ -105,9 +105,9 @@ def io(args):
         before its first read, on background threads (`verify_chunks=False`, and
         the check of an index without chunk digests), or with `default` as
         `verify_chunks=None` chooses for this machine's cores (above 4: whole
-        files, the reads checking chunks of a file until its whole check is done). (`raw` reads one ShardedDataset's
-        memmaps every round: its first round maps the pages, 1.8 s for 1 GiB on the
-        2-core VM, then 0.06 s.)"""
+        files, the reads checking chunks of a file until its whole check is
+        done). (`raw` reads one ShardedDataset's memmaps every round: its first
+        round maps the pages, 1.8 s for 1 GiB on the 2-core VM, then 0.06 s.)"""
 
         def run():
             _verify.forget_checked()

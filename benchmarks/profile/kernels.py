@@ -365,9 +365,14 @@ def hlo_instructions(directory: str) -> dict:
     return found
 
 
+def op_names(instructions: dict) -> dict:
+    """{instruction name: TensorFlow op name} of `hlo_instructions`' result."""
+    return {name: op_name for name, (_, _, op_name) in instructions.items()}
+
+
 def hlo_op_names(directory: str) -> dict:
-    """{instruction name: TensorFlow op name}, from `hlo_instructions`."""
-    return {name: op_name for name, (_, _, op_name) in hlo_instructions(directory).items()}
+    """{instruction name: TensorFlow op name} of the module `hlo_instructions` reads."""
+    return op_names(hlo_instructions(directory))
 
 
 def describe_top_kernels(profile: dict, instructions: dict) -> None:

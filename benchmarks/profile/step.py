@@ -144,9 +144,8 @@ def run_tf(name, settings, args):
     import tensorflow as tf
 
     from kernels import (
-        breakdown, by_part, describe_top_kernels, gaps, hlo_instructions, host_busy, host_during_gaps, read_xspace,
-        xspace_host_events,
-        xspace_kernels,
+        breakdown, by_part, describe_top_kernels, gaps, hlo_instructions, host_busy, host_during_gaps, op_names,
+        read_xspace, xspace_host_events, xspace_kernels,
     )
 
     batch, device = settings.get("batch", args.batch), args.device
@@ -199,9 +198,8 @@ def run_tf(name, settings, args):
                 result["host_busy"] = host_busy(host_events, kernels, profile_steps)
         if kernels and args.model in _BY_PART:
             instructions = hlo_instructions(_xla_dump_dir(args.raw_dir, name))
-            op_names = {n: op_name for n, (_, _, op_name) in instructions.items()}
-            result["profile"]["hlo_instructions_named"] = len(op_names)
-            result["profile"]["parts_ms_per_step"] = by_part(kernels, profile_steps, op_names)
+            result["profile"]["hlo_instructions_named"] = len(instructions)
+            result["profile"]["parts_ms_per_step"] = by_part(kernels, profile_steps, op_names(instructions))
             describe_top_kernels(result["profile"], instructions)
         _keep_raw(args.raw_dir, name, kernels)
     except Exception as error:  # noqa: BLE001 - the timing above still stands
