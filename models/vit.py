@@ -47,6 +47,29 @@ class ClassToken(layers.Layer):
         return (input_shape[0], input_shape[2])
 
 
+def patch_embedding(x, patch, width, kind="conv"):
+    """(B, H, W, C) images -> (B, tokens, width) patch embeddings.
+
+    kind="conv": a `Conv2D(width, patch, strides=patch)` as torchvision's
+    `vit_b_16` has it. kind="matmul": the same product with the same weights
+    (a `Dense` whose kernel is the conv's, reshaped to patch*patch*C x width),
+    the image cut into patches by reshapes and a transpose: on an H200 cuDNN
+    ran the conv (3 input channels) in 1.68 ms a step at batch 256 where the
+    GEMM's FLOPs take under 0.1 ms (benchmarks/results/profile_vit_pair_h200.json).
+    """
+    height, wide, channels = x.shape[1], x.shape[2], x.shape[3]
+    rows, cols = height // patch, wide // patch
+    if kind == "conv":
+        x = layers.Conv2D(width, patch, strides=patch, name="patch_embedding")(x)
+        return layers.Reshape((rows * cols, width), name="patches")(x)
+    if kind != "matmul":
+        raise ValueError(f"`patch_embedding` must be 'conv' or 'matmul'. Received: {kind!r}")
+    x = layers.Reshape((rows, patch, cols, patch, channels), name="patch_grid")(x)
+    x = layers.Permute((1, 3, 2, 4, 5), name="patch_order")(x)
+    x = layers.Reshape((rows * cols, patch * patch * channels), name="patches")(x)
+    return layers.Dense(width, name="patch_embedding")(x)
+
+
 def encoder_block(tokens, width, heads, mlp, attention="efficient", chunk_size=512, dropout=0.0, name="block",
                   attention_implementation="auto"):
     """One pre-norm Transformer encoder block as a `keras.Model` (B, tokens, width) -> same."""
@@ -88,6 +111,7 @@ def vit(
     name="vit",
     policy="full",
     attention_implementation="auto",
+    patch_embedding_kind="conv",
 ) -> keras.Model:
     """A ViT as a `kvram.Model`.
 
@@ -99,13 +123,13 @@ def vit(
         policy: the blocks' `Checkpoint` policy ("full" or "save_dots").
         attention_implementation: the efficient attention's `implementation`
             ("auto": cuDNN's fused attention in an XLA step on a GPU).
+        patch_embedding_kind: "conv" or "matmul" (`patch_embedding`).
     """
     if image_size % patch:
         raise ValueError(f"image_size must be a multiple of patch. Received: {image_size}, {patch}")
     tokens = (image_size // patch) ** 2
     inputs = keras.Input((image_size, image_size, channels))
-    x = layers.Conv2D(width, patch, strides=patch, name="patch_embedding")(inputs)
-    x = layers.Reshape((tokens, width), name="patches")(x)
+    x = patch_embedding(inputs, patch, width, patch_embedding_kind)
     x = ClassTokenAndPosition(name="class_and_position")(x)
     x = layers.Dropout(dropout, name="embedding_dropout")(x)
     for i in range(depth):

@@ -37,11 +37,37 @@ def test_efficient_vit_equals_the_keras_attention_vit():
     assert max_rel_diff(results[0][1:], results[1][1:], per_tensor=False) < 1e-5
 
 
+def test_vit_patch_embedding_as_matmul_equals_the_conv():
+    """The same weights give the same outputs and gradients, the matmul's kernel
+    being the conv's reshaped."""
+    x = np.random.default_rng(1).random((3, 32, 32, 3)).astype("float32")
+    y = np.array([0, 1, 2])
+    conv = vit_tiny(checkpoint=False)
+    matmul = vit_tiny(checkpoint=False, patch_embedding_kind="matmul")
+    assert conv.count_params() == matmul.count_params()
+    weights = conv.get_weights()
+    kernel = conv.get_layer("patch_embedding").kernel
+    weights[0] = weights[0].reshape(-1, weights[0].shape[-1])  # (4, 4, 3, 64) -> (48, 64)
+    assert kernel.path == conv.weights[0].path
+    matmul.set_weights(weights)
+    results = []
+    for model in (conv, matmul):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+        grads = tape.gradient(loss, model.trainable_weights)
+        results.append([logits, grads[0].numpy().reshape(-1, grads[0].shape[-1])] + grads[1:])
+    assert max_rel_diff(results[0][:1], results[1][:1]) < 1e-5
+    assert max_rel_diff(results[0][1:], results[1][1:], per_tensor=False) < 1e-5
+
+
 def test_vit_bad_arguments():
     with pytest.raises(ValueError, match="multiple of patch"):
         vit(image_size=30, patch=4)
     with pytest.raises(ValueError, match="'efficient' or 'keras'"):
         vit_tiny(attention="flash")
+    with pytest.raises(ValueError, match="'conv' or 'matmul'"):
+        vit_tiny(patch_embedding_kind="linear")
 
 
 def _leaves(model):

@@ -35,6 +35,8 @@ Configurations:
                    `_resident_unguarded` the same without the guard.
     kvram_cudnn_lean_*_float8  the lean step with Keras's float8 training
                    (`model.quantize("float8")`: Dense and EinsumDense layers).
+    kvram_cudnn_lean_*_patchmatmul  the patch embedding as a GEMM over
+                   reshaped patches instead of a conv (models.vit.patch_embedding).
     torch_fp16_compile_hostbatch  torch_fp16_compile copying its batch from
                    pinned host memory each step (`.cuda(non_blocking=True)`), as
                    a DataLoader with pin_memory=True feeds it.
@@ -223,6 +225,12 @@ CONFIGS = {
     # a Checkpoint per block
     "kvram_cudnn_lean_nockpt_float8": ("tf", dict(_CUDNN, checkpoint=False, lean=True, float8=True)),
     "kvram_cudnn_lean_ckpt_float8": ("tf", dict(_CUDNN, checkpoint=True, lean=True, float8=True)),
+    # the patch embedding as reshapes, a transpose and a GEMM (models.vit.patch_embedding) instead of
+    # cuDNN's 3-channel conv (1.68 ms a step in profile_vit_pair_h200.json)
+    "kvram_cudnn_lean_nockpt_patchmatmul": (
+        "tf", dict(_CUDNN, checkpoint=False, lean=True, patch_embedding="matmul")
+    ),
+    "kvram_cudnn_lean_ckpt_patchmatmul": ("tf", dict(_CUDNN, checkpoint=True, lean=True, patch_embedding="matmul")),
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
@@ -255,6 +263,7 @@ def build_tf(settings, batch, device):
             policy=settings.get("ckpt_policy", "full"),
             # the configurations from before cuDNN's attention keep the chunks they measured
             attention_implementation=settings.get("attention_impl", "auto" if settings.get("default") else "chunked"),
+            patch_embedding_kind=settings.get("patch_embedding", "conv"),
         )
         if settings.get("lean"):
             kvram.speed.lean_activations(model)
