@@ -231,6 +231,16 @@ CONFIGS = {
         "tf", dict(_CUDNN, checkpoint=False, lean=True, patch_embedding="matmul")
     ),
     "kvram_cudnn_lean_ckpt_patchmatmul": ("tf", dict(_CUDNN, checkpoint=True, lean=True, patch_embedding="matmul")),
+    # the attention projections' weight gradients as one GEMM each (kvram/_einsum.py: Keras's
+    # TF einsum broadcast the weight in a BatchMatMulV2, whose gradient is B GEMMs and a sum),
+    # alone and with the lean GELU's forward by erf in float32 (Keras's: erfc, partly in bf16)
+    "kvram_cudnn_lean_nockpt_tensordot": ("tf", dict(_CUDNN, checkpoint=False, lean=True, tensordot=True)),
+    "kvram_cudnn_lean_nockpt_tensordot_erf": (
+        "tf", dict(_CUDNN, checkpoint=False, lean=True, tensordot=True, erf_gelu=True)
+    ),
+    "kvram_cudnn_lean_ckpt_tensordot_erf": (
+        "tf", dict(_CUDNN, checkpoint=True, lean=True, tensordot=True, erf_gelu=True)
+    ),
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
@@ -265,6 +275,14 @@ def build_tf(settings, batch, device):
             attention_implementation=settings.get("attention_impl", "auto" if settings.get("default") else "chunked"),
             patch_embedding_kind=settings.get("patch_embedding", "conv"),
         )
+        if settings.get("tensordot"):  # the projections' einsums as 2-D matmuls (kvram/_einsum.py)
+            from kvram import _einsum
+
+            _einsum.install()
+        if settings.get("erf_gelu"):  # lean GELU's forward by erf in float32 (kvram/layers/lean.py)
+            from kvram.layers import lean
+
+            lean._ERF_FORWARD = True
         if settings.get("lean"):
             kvram.speed.lean_activations(model)
         if settings.get("float8"):

@@ -25,6 +25,16 @@ import tensorflow as tf
 from kvram.layers._order import after
 
 
+_ERF_FORWARD = False
+
+
+def _exact_value(x):
+    """The exact GELU of a 16-bit `x` as PyTorch computes it, `x/2 (1 + erf(x/sqrt(2)))`
+    in float32, rounded once."""
+    x32 = tf.cast(x, tf.float32)
+    return tf.cast(0.5 * x32 * (1.0 + tf.math.erf(x32 * (1.0 / math.sqrt(2.0)))), x.dtype)
+
+
 def _keeping_input(x, approximate, slope):
     """`keras.activations.gelu(x, approximate)`, keeping only `x`: the
     backward pass computes `slope(x)` in float32 when the gradient arrives."""
@@ -36,6 +46,8 @@ def _keeping_input(x, approximate, slope):
             x32 = tf.cast(x, tf.float32) + after(dy)
             return tf.cast(tf.cast(dy, tf.float32) * slope(x32), x.dtype)
 
+        if _ERF_FORWARD and not approximate and x.dtype.size == 2:
+            return _exact_value(x), gradient
         return keras.activations.gelu(x, approximate=approximate), gradient
 
     return gelu(x)
