@@ -30,6 +30,8 @@ from kvram.training import Model  # noqa: E402
 
 if speed.pins_by_default():  # batches reach the GPU by DMA; KVRAM_PIN_HOST_MEMORY=0 leaves it
     speed.pin_host_memory()
+if _os.environ.get(speed.TENSORDOT_ENV, "1").strip() != "0":  # weight gradients as one GEMM each
+    speed.tensordot_einsum()
 
 __all__ = [
     "Model",

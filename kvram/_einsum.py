@@ -11,7 +11,8 @@ its 85.7 (benchmarks/results/profile_vit_hlo_h200.json). Keras fixed the same
 for `Dense` by `tf.tensordot` (keras-team/keras#22823, #22832); `einsum` kept
 the batched path (Keras 3.15.1).
 
-`install()` routes such einsums through `tf.tensordot` instead: the input
+`install()` (`kvram.speed.tensordot_einsum`, done by `import kvram`) routes
+such einsums through `tf.tensordot` instead: the input
 reshaped to 2-D, one matmul, so the weight's gradient is one GEMM over B x T
 rows. Values equal Keras's up to float summation order. Only two float operands
 of one dtype whose first has rank >= 3, no index shared by both operands and

@@ -9,14 +9,41 @@ from __future__ import annotations
 
 import keras
 
+from kvram import _einsum
 from kvram.layers import attention
 from kvram.layers.batch_norm import FusedBatchNormalization
 from kvram.layers.lean import LeanLayerNormalization, lean_gelu, lean_gelu_approximate
 
-__all__ = ["efficient_attention", "fuse_batch_norm", "lean_activations", "pin_host_memory", "host_memory_pinned"]
+__all__ = [
+    "efficient_attention", "fuse_batch_norm", "lean_activations", "pin_host_memory", "host_memory_pinned",
+    "tensordot_einsum",
+]
 
 # `import kvram` pins host memory on a machine with a GPU unless this is "0".
 PIN_ENV = "KVRAM_PIN_HOST_MEMORY"
+# `import kvram` routes Keras's einsum of a tensor times a weight through tf.tensordot unless this is "0".
+TENSORDOT_ENV = "KVRAM_TENSORDOT_EINSUM"
+
+
+def tensordot_einsum(enable: bool = True) -> bool:
+    """Computes Keras's `einsum` of a tensor times a weight (`EinsumDense`:
+    the projections of `MultiHeadAttention` and of KerasHub's models) as one
+    2-D matmul, so that the weight's gradient is one GEMM (`enable=True`, what
+    `import kvram` does unless the environment variable KVRAM_TENSORDOT_EINSUM
+    is "0"), or as Keras does (`enable=False`).
+
+    Keras 3.15 on TensorFlow computes `btd,dnh->btnh` as a `BatchMatMulV2`
+    that broadcasts the weight, whose gradient for the weight is B products
+    and a sum over them (the bug keras-team/keras#22823 fixed for `Dense`
+    only). ViT-B/16 at batch 256 on an H200: 3233 img/s against 2989, in one
+    call (benchmarks/results/vit_tensordot_h200_run1.json). Values equal
+    Keras's within float summation order (tests/test_einsum.py). Affects
+    every Keras model in the process, traced after the call.
+
+    Returns:
+        Whether this changed anything.
+    """
+    return _einsum.install() if enable else _einsum.uninstall()
 
 
 def pin_host_memory() -> None:
@@ -175,7 +202,11 @@ def lean_activations(model: keras.layers.Layer) -> int:
     activation is KerasHub's tanh-approximated GELU (GPT-2's feedforward) gets
     `lean_gelu_approximate`, and every
     `keras.layers.LayerNormalization` becomes a `LeanLayerNormalization` (same
-    weights and configuration). Outputs are unchanged; gradients agree within
+    weights and configuration). Outputs are unchanged, except that the exact
+    GELU of a bfloat16/float16 input is computed in float32 and rounded once,
+    as PyTorch does (within a rounding of Keras's and nearer the true value;
+    ViT-B at batch 256 on an H200: 3292 img/s against 3233, two calls on one
+    machine, benchmarks/results/vit_tensordot_h200_run*.json); gradients agree within
     float rounding (tests/test_speed.py). Memory: a ViT-B block at batch 256
     kept 886 MB of GELU intermediates and two float32 copies for its
     LayerNormalizations (benchmarks/results/vit_buffers_h200.json). Works on

@@ -118,7 +118,10 @@ def vit(
     Args:
         attention: "efficient" (`MemoryEfficientAttention`) or "keras"
             (`keras.layers.MultiHeadAttention`).
-        checkpoint: wrap every encoder block in `kvram.layers.Checkpoint`.
+        checkpoint: wrap every encoder block in `kvram.layers.Checkpoint`
+            (True), none (False), or the first `checkpoint` blocks (an int
+            from 0 to `depth`: the last blocks' activations, the first the
+            backward pass frees, are kept).
         chunk_size: keys per chunk for the efficient attention.
         policy: the blocks' `Checkpoint` policy ("full" or "save_dots").
         attention_implementation: the efficient attention's `implementation`
@@ -127,6 +130,9 @@ def vit(
     """
     if image_size % patch:
         raise ValueError(f"image_size must be a multiple of patch. Received: {image_size}, {patch}")
+    wrapped = depth if checkpoint is True else 0 if checkpoint is False else checkpoint
+    if not isinstance(wrapped, int) or not 0 <= wrapped <= depth:
+        raise ValueError(f"checkpoint must be True, False or an int from 0 to depth={depth}. Received: {checkpoint!r}")
     tokens = (image_size // patch) ** 2
     inputs = keras.Input((image_size, image_size, channels))
     x = patch_embedding(inputs, patch, width, patch_embedding_kind)
@@ -137,7 +143,7 @@ def vit(
             tokens + 1, width, heads, mlp, attention, chunk_size, dropout, name=f"encoder_block{i}",
             attention_implementation=attention_implementation,
         )
-        x = (kvram.layers.Checkpoint(block, policy=policy) if checkpoint else block)(x)
+        x = (kvram.layers.Checkpoint(block, policy=policy) if i < wrapped else block)(x)
     x = layers.LayerNormalization(epsilon=1e-6, name="final_ln")(x)
     x = ClassToken(name="class_token")(x)
     outputs = layers.Dense(classes, dtype="float32", name="head")(x)

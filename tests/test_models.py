@@ -37,6 +37,13 @@ def test_efficient_vit_equals_the_keras_attention_vit():
     assert max_rel_diff(results[0][1:], results[1][1:], per_tensor=False) < 1e-5
 
 
+def test_vit_checkpoints_the_first_blocks_it_is_told():
+    for checkpoint, wrapped in ((True, 4), (False, 0), (3, 3), (0, 0)):
+        model = vit_tiny(checkpoint=checkpoint)
+        names = [layer.layer.name for layer in model.layers if isinstance(layer, kvram.layers.Checkpoint)]
+        assert names == [f"encoder_block{i}" for i in range(wrapped)]
+
+
 def test_vit_patch_embedding_as_matmul_equals_the_conv():
     """The same weights give the same outputs and gradients, the matmul's kernel
     being the conv's reshaped."""
@@ -66,6 +73,8 @@ def test_vit_bad_arguments():
         vit(image_size=30, patch=4)
     with pytest.raises(ValueError, match="'efficient' or 'keras'"):
         vit_tiny(attention="flash")
+    with pytest.raises(ValueError, match="checkpoint must be True, False or an int from 0 to depth=4. Received: 5"):
+        vit_tiny(checkpoint=5)
     with pytest.raises(ValueError, match="'conv' or 'matmul'"):
         vit_tiny(patch_embedding_kind="linear")
 

@@ -88,6 +88,8 @@ def build(settings, batch, sequence, budget_gib):
     from kvram import remat
 
     kvram.precision.enable("mixed_bfloat16")
+    if settings["kvram"] is None:  # plain Keras: its own einsum, not the one `import kvram` installs
+        kvram.speed.tensordot_einsum(enable=False)
     keras.utils.set_random_seed(0)
     shape = dict(SHAPE, max_sequence_length=max(sequence, 1024))
     backbone = keras_hub.models.GPT2Backbone(**shape)

@@ -35,6 +35,10 @@ Configurations:
                    `_resident_unguarded` the same without the guard.
     kvram_cudnn_lean_*_float8  the lean step with Keras's float8 training
                    (`model.quantize("float8")`: Dense and EinsumDense layers).
+    kvram_cudnn_lean_*_noexcess  XLA_FLAGS --xla_allow_excess_precision=false
+                   (bf16 values rounded where the graph says).
+    kvram_cudnn_lean_nockpt_keras_einsum  Keras's einsum instead of kvram's
+                   (`kvram.speed.tensordot_einsum(enable=False)`).
     kvram_cudnn_lean_*_patchmatmul  the patch embedding as a GEMM over
                    reshaped patches instead of a conv (models.vit.patch_embedding).
     torch_fp16_compile_hostbatch  torch_fp16_compile copying its batch from
@@ -232,15 +236,26 @@ CONFIGS = {
     ),
     "kvram_cudnn_lean_ckpt_patchmatmul": ("tf", dict(_CUDNN, checkpoint=True, lean=True, patch_embedding="matmul")),
     # the attention projections' weight gradients as one GEMM each (kvram/_einsum.py: Keras's
-    # TF einsum broadcast the weight in a BatchMatMulV2, whose gradient is B GEMMs and a sum),
-    # alone and with the lean GELU's forward by erf in float32 (Keras's: erfc, partly in bf16)
-    "kvram_cudnn_lean_nockpt_tensordot": ("tf", dict(_CUDNN, checkpoint=False, lean=True, tensordot=True)),
-    "kvram_cudnn_lean_nockpt_tensordot_erf": (
-        "tf", dict(_CUDNN, checkpoint=False, lean=True, tensordot=True, erf_gelu=True)
-    ),
-    "kvram_cudnn_lean_ckpt_tensordot_erf": (
-        "tf", dict(_CUDNN, checkpoint=True, lean=True, tensordot=True, erf_gelu=True)
-    ),
+    # TF einsum broadcast the weight in a BatchMatMulV2, whose gradient is B GEMMs and a sum), and
+    # the lean GELU's forward by erf in float32 (Keras's: erfc, partly in bf16): measured at 19cebb4
+    # as kvram_cudnn_lean_nockpt_tensordot (the einsums alone) and these two (results/vit_tensordot_*.json),
+    # kvram's defaults since, so these equal kvram_cudnn_lean_nockpt / _ckpt; `keras_einsum` gives
+    # Keras's einsum back
+    "kvram_cudnn_lean_nockpt_tensordot_erf": ("tf", dict(_CUDNN, checkpoint=False, lean=True)),
+    "kvram_cudnn_lean_ckpt_tensordot_erf": ("tf", dict(_CUDNN, checkpoint=True, lean=True)),
+    "kvram_cudnn_lean_nockpt_keras_einsum": ("tf", dict(_CUDNN, checkpoint=False, lean=True, keras_einsum=True)),
+    # XLA without excess precision: bf16 values rounded where the graph says, not kept in float32
+    # between fusions (3446 against 3310 img/s in one call, results/vit_tensordot_*excess_h200.json)
+    **{f"kvram_cudnn_lean_{ckpt}_noexcess": (
+        "tf", dict(_CUDNN, checkpoint=ckpt == "ckpt", lean=True,
+                   xla_flags=_CUDNN["xla_flags"] + " --xla_allow_excess_precision=false")
+    ) for ckpt in ("nockpt", "ckpt")},
+    # a Checkpoint on the first 10 of the 12 blocks (the last two keep their activations: about
+    # 1 GiB each, (17.04 - 4.90) / 12 in results/vit_tensordot_*.json), for issue 34's bar of
+    # <= 0.40x torch_fp16_compile's 17.42 GiB
+    **{f"kvram_cudnn_lean_ckpt10{flag}": (
+        "tf", dict(_CUDNN, checkpoint=10, lean=True, xla_flags=_CUDNN["xla_flags"] + extra)
+    ) for flag, extra in (("", ""), ("_noexcess", " --xla_allow_excess_precision=false"))},
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
@@ -275,14 +290,8 @@ def build_tf(settings, batch, device):
             attention_implementation=settings.get("attention_impl", "auto" if settings.get("default") else "chunked"),
             patch_embedding_kind=settings.get("patch_embedding", "conv"),
         )
-        if settings.get("tensordot"):  # the projections' einsums as 2-D matmuls (kvram/_einsum.py)
-            from kvram import _einsum
-
-            _einsum.install()
-        if settings.get("erf_gelu"):  # lean GELU's forward by erf in float32 (kvram/layers/lean.py)
-            from kvram.layers import lean
-
-            lean._ERF_FORWARD = True
+        if settings.get("keras_einsum"):  # Keras's own einsum, not kvram's tensordot (kvram/_einsum.py)
+            kvram.speed.tensordot_einsum(enable=False)
         if settings.get("lean"):
             kvram.speed.lean_activations(model)
         if settings.get("float8"):
@@ -291,6 +300,7 @@ def build_tf(settings, batch, device):
                 model.quantize("float8")
         if settings["attention"] == "keras" and not settings.get("kvram_data"):
             model.prefetch_to_gpu = None  # plain Keras: no kvram data path either
+            kvram.speed.tensordot_einsum(enable=False)  # and Keras's own einsum
         if settings.get("keras_loop"):
             use_keras_loop(model)
         if settings.get("unguarded"):

@@ -8,9 +8,10 @@ step on an H200: benchmarks/results/vit_buffers_h200.json; the tanh
 approximation's, 3.0 GiB over a GPT-2-medium-shaped decoder's 24 blocks at
 batch 8: benchmarks/results/decoder_buffers_h200.json); for
 LayerNormalization under mixed precision, float32 copies of its input and of
-the normalised values (3.4 GiB there). These compute the same values and keep
-the input (in its own dtype) and, for LayerNormalization, the per-row mean and
-reciprocal deviation; the backward pass recomputes the rest, as PyTorch's
+the normalised values (3.4 GiB there). These compute the same values (the
+exact GELU of a 16-bit input in float32, as PyTorch does: `_exact_value`) and
+keep the input (in its own dtype) and, for LayerNormalization, the per-row mean
+and reciprocal deviation; the backward pass recomputes the rest, as PyTorch's
 fused kernels do. The recomputation waits for the incoming gradient
 (`_order.after`), or XLA would do it right after the forward pass and hold it.
 """
@@ -25,12 +26,12 @@ import tensorflow as tf
 from kvram.layers._order import after
 
 
-_ERF_FORWARD = False
-
-
 def _exact_value(x):
     """The exact GELU of a 16-bit `x` as PyTorch computes it, `x/2 (1 + erf(x/sqrt(2)))`
-    in float32, rounded once."""
+    in float32, rounded once. Keras's (`0.5 * x * erfc(-x / sqrt(2))`, its scalings in
+    x's dtype) cost XLA 389 us a ViT-B block at batch 256 on an H200, `erfc` being
+    evaluated by two rational approximations and a select
+    (benchmarks/results/profile_vit_hlo_h200.json, `loop_multiply_fusion.12`)."""
     x32 = tf.cast(x, tf.float32)
     return tf.cast(0.5 * x32 * (1.0 + tf.math.erf(x32 * (1.0 / math.sqrt(2.0)))), x.dtype)
 
@@ -46,7 +47,7 @@ def _keeping_input(x, approximate, slope):
             x32 = tf.cast(x, tf.float32) + after(dy)
             return tf.cast(tf.cast(dy, tf.float32) * slope(x32), x.dtype)
 
-        if _ERF_FORWARD and not approximate and x.dtype.size == 2:
+        if not approximate and x.dtype.size == 2:
             return _exact_value(x), gradient
         return keras.activations.gelu(x, approximate=approximate), gradient
 
