@@ -15,9 +15,9 @@ the batched path (Keras 3.15.1).
 such einsums through `tf.tensordot` instead: the input
 reshaped to 2-D, one matmul, so the weight's gradient is one GEMM over B x T
 rows. Values equal Keras's up to float summation order. Only two float operands
-of one dtype whose first has rank >= 3, no index shared by both operands and
-the output (no batch index), no index repeated, and no other arguments take
-this path; everything else is Keras's own `einsum`.
+of one dtype, dense, whose first has rank >= 3, no index shared by both
+operands and the output (no batch index), no index repeated, and no other
+arguments take this path; everything else is Keras's own `einsum`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def _layout(subscripts: str, x, w):
 def einsum(subscripts, *operands, **kwargs):
     """`keras.src.backend.tensorflow.numpy.einsum`, with a tensor times a
     weight as `tf.tensordot` (module docstring)."""
-    if len(operands) == 2 and not kwargs:
+    dense = not any(isinstance(o, (tf.SparseTensor, tf.RaggedTensor, tf.IndexedSlices)) for o in operands)
+    if len(operands) == 2 and not kwargs and dense:
         x, w = (tf.convert_to_tensor(o) for o in operands)
         layout = _layout(subscripts, x, w) if x.dtype == w.dtype and x.dtype.is_floating else None
         if layout is not None:

@@ -105,6 +105,14 @@ def test_other_einsums_are_keras_own(equation, operands):
     np.testing.assert_array_equal(keras.ops.einsum(equation, *tensors), expected)
 
 
+def test_sparse_operands_are_keras_own(monkeypatch):
+    x = tf.sparse.from_dense(tf.eye(4, batch_shape=[2]))  # (2, 4, 4)
+    w = tf.ones((4, 3))
+    seen = []
+    monkeypatch.setattr(_einsum, "_keras_einsum", lambda *args, **kwargs: seen.append(args) or "keras's")
+    assert _einsum.einsum("abc,cd->abd", x, w) == "keras's" and seen[0][1] is x
+
+
 def test_integer_operands_are_keras_own():
     x, w = tf.ones((2, 3, 4), tf.int8), tf.ones((4, 5), tf.int8)
     result = keras.ops.einsum("abc,cd->abd", x, w)
