@@ -30,24 +30,24 @@ def _recomputed(layers_, input_shape, name):
     return kvram.layers.Checkpoint(keras.Model(inputs, x, name=name))
 
 
-def _bottleneck(input_shape, filters, stride, conv_shortcut, name, recompute=False):
+def _bottleneck(input_shape, filters, stride, conv_shortcut, name, recompute=False, bias=True):
     inputs = keras.Input(input_shape)
     if conv_shortcut:
-        shortcut = layers.Conv2D(4 * filters, 1, strides=stride, name=f"{name}_0_conv")(inputs)
+        shortcut = layers.Conv2D(4 * filters, 1, strides=stride, use_bias=bias, name=f"{name}_0_conv")(inputs)
         shortcut = layers.BatchNormalization(epsilon=1.001e-5, name=f"{name}_0_bn")(shortcut)
     else:
         shortcut = inputs
-    x = layers.Conv2D(filters, 1, strides=stride, name=f"{name}_1_conv")(inputs)
+    x = layers.Conv2D(filters, 1, strides=stride, use_bias=bias, name=f"{name}_1_conv")(inputs)
     units = [
         [
             layers.BatchNormalization(epsilon=1.001e-5, name=f"{name}_1_bn"),
             layers.Activation("relu", name=f"{name}_1_relu"),
-            layers.Conv2D(filters, 3, padding="SAME", name=f"{name}_2_conv"),
+            layers.Conv2D(filters, 3, padding="SAME", use_bias=bias, name=f"{name}_2_conv"),
         ],
         [
             layers.BatchNormalization(epsilon=1.001e-5, name=f"{name}_2_bn"),
             layers.Activation("relu", name=f"{name}_2_relu"),
-            layers.Conv2D(4 * filters, 1, name=f"{name}_3_conv"),
+            layers.Conv2D(4 * filters, 1, use_bias=bias, name=f"{name}_3_conv"),
         ],
     ]
     for i, unit in enumerate(units, start=1):
@@ -62,10 +62,10 @@ def _bottleneck(input_shape, filters, stride, conv_shortcut, name, recompute=Fal
     return keras.Model(inputs, x, name=name)
 
 
-def _stem(input_shape, recompute=False):
+def _stem(input_shape, recompute=False, bias=True):
     inputs = keras.Input(input_shape)
     x = layers.ZeroPadding2D(3, name="conv1_pad")(inputs)
-    x = layers.Conv2D(64, 7, strides=2, name="conv1_conv")(x)
+    x = layers.Conv2D(64, 7, strides=2, use_bias=bias, name="conv1_conv")(x)
     unit = [
         layers.BatchNormalization(epsilon=1.001e-5, name="conv1_bn"),
         layers.Activation("relu", name="conv1_relu"),
@@ -92,7 +92,7 @@ def _parts(value):
 
 
 def resnet50(
-    input_shape=(224, 224, 3), classes: int = 1000, checkpoint=ALL, recompute=()
+    input_shape=(224, 224, 3), classes: int = 1000, checkpoint=ALL, recompute=(), conv_bias: bool = True
 ) -> keras.Model:
     """ResNet50 as a `kvram.Model`.
 
@@ -107,6 +107,10 @@ def resnet50(
             after them in the backward pass (selective recomputation: the cheap
             element-wise work, not the convolutions). A part in `checkpoint` is
             recomputed whole and ignores this.
+        conv_bias: whether the convolutions have biases, as Keras's ResNet50
+            has; without them (each is followed by a BatchNormalization, which
+            subtracts it again while training) the model is torchvision's
+            `resnet50`, 25,557,032 parameters.
     """
     parts = _parts(checkpoint)
     selective = _parts(recompute)
@@ -118,12 +122,12 @@ def resnet50(
         return part in selective and part not in parts
 
     inputs = keras.Input(input_shape)
-    x = wrap(_stem(input_shape, cheap("stem")), "stem")(inputs)
+    x = wrap(_stem(input_shape, cheap("stem"), conv_bias), "stem")(inputs)
     for stage, (filters, blocks, stride) in enumerate(STAGES, start=2):
         for i in range(1, blocks + 1):
             block = _bottleneck(
                 tuple(x.shape[1:]), filters, stride if i == 1 else 1, i == 1,
-                name=f"conv{stage}_block{i}", recompute=cheap(stage),
+                name=f"conv{stage}_block{i}", recompute=cheap(stage), bias=conv_bias,
             )
             x = wrap(block, stage)(x)
     x = layers.GlobalAveragePooling2D(name="avg_pool")(x)

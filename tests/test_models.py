@@ -149,6 +149,15 @@ def test_resnet50_recomputing_batch_norm_and_relu_only(request):
     assert peaks["full"] < peaks["selective"] < 0.95 * peaks["plain"], peaks
 
 
+def test_resnet50_without_conv_biases_is_torchvision_resnet50_sized():
+    from models.resnet50 import resnet50
+
+    model = resnet50(checkpoint=(), conv_bias=False)
+    # torchvision.models.resnet50()'s parameters (its BatchNorm running statistics are buffers)
+    assert sum(int(np.prod(w.shape)) for w in model.trainable_weights) == 25_557_032
+    assert resnet50(checkpoint=()).count_params() == 25_636_712  # keras.applications.ResNet50(weights=None)
+
+
 def test_resnet50_bad_parts():
     from models.resnet50 import resnet50
 

@@ -126,6 +126,12 @@ CONFIGS = {
     "kvram_fp16_pin_spe16_cublaslt_noexcess": (
         "tf", dict(_CUBLASLT, xla_flags=_CUBLASLT["xla_flags"] + " --xla_allow_excess_precision=false")
     ),
+    # the convolutions without biases, as torchvision's resnet50 (which torch_fp16_compile runs) has
+    # them: Keras's ResNet50 adds one to each of its 53 convolutions, whose gradient XLA reduces
+    # although the BatchNormalization after it cancels it while training
+    "kvram_fp16_pin_spe16_cublaslt_nobias": (
+        "tf", dict(_CUBLASLT, conv_bias=False)
+    ),
     # the batch as uint8 images (a quarter of float32's bytes: 38.5 MB a batch of 256 against
     # 154), as decoded images come; a Rescaling(1/255) in front of the model casts and scales
     # them on the GPU, inside the step, to the float configurations' range [0, 1)
@@ -179,7 +185,8 @@ def build_tf(settings, batch, device, image_size=224):
             from models.resnet50 import resnet50
 
             model = resnet50(
-                shape, checkpoint=settings.get("ckpt", True), recompute=settings.get("recompute", ())
+                shape, checkpoint=settings.get("ckpt", True), recompute=settings.get("recompute", ()),
+                conv_bias=settings.get("conv_bias", True),
             )
         if settings.get("data_dtype") == "uint8":
             images = keras.Input(shape, dtype="uint8")
