@@ -14,6 +14,7 @@
 #   H  the same on ViT-B/16
 #   I  issue 34's ViT-B/16 bars in one call: torch.compile, the lean step without and with a
 #      Checkpoint on 10 and on all 12 blocks, XLA without excess precision (160 steps after 40)
+#   I2 the same with a Checkpoint on 11 blocks, beside torch.compile again
 #   J  ResNet50 against torch.compile, with and without excess precision, and without conv biases
 #      (torchvision's architecture; 320 steps after 80)
 #   F  one configuration of the GPT-2-medium-shaped decoder, named third (KerasHub;
@@ -52,6 +53,8 @@ G) for c in torch_fp16_compile kvram_default kvram_default_fp16 kvram_fp16_pin_s
 H) vit torch_fp16_compile kvram_default kvram_nockpt_pin_spe16 ;;
 I) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_nockpt_noexcess \
      --only kvram_cudnn_lean_ckpt10_noexcess --only kvram_cudnn_lean_ckpt_noexcess --out "$out/vit_issue34.json" ;;
+I2) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_ckpt11_noexcess \
+     --out "$out/vit_issue34_ckpt11.json" ;;
 J) python benchmarks/resnet50/bench.py --steps 320 --warmup 80 --only torch_fp16_compile \
      --only kvram_fp16_pin_spe16_cublaslt --only kvram_fp16_pin_spe16_cublaslt_noexcess \
      --only kvram_fp16_pin_spe16_cublaslt_nobias --out "$out/resnet50_issue34.json" ;;

@@ -250,12 +250,12 @@ CONFIGS = {
         "tf", dict(_CUDNN, checkpoint=ckpt == "ckpt", lean=True,
                    xla_flags=_CUDNN["xla_flags"] + " --xla_allow_excess_precision=false")
     ) for ckpt in ("nockpt", "ckpt")},
-    # a Checkpoint on the first 10 of the 12 blocks (the last two keep their activations: about
+    # a Checkpoint on the first 10 or 11 of the 12 blocks (the last keep their activations: about
     # 1 GiB each, (17.04 - 4.90) / 12 in results/vit_tensordot_*.json), for issue 34's bar of
     # <= 0.40x torch_fp16_compile's 17.42 GiB
-    **{f"kvram_cudnn_lean_ckpt10{flag}": (
-        "tf", dict(_CUDNN, checkpoint=10, lean=True, xla_flags=_CUDNN["xla_flags"] + extra)
-    ) for flag, extra in (("", ""), ("_noexcess", " --xla_allow_excess_precision=false"))},
+    **{f"kvram_cudnn_lean_ckpt{blocks}{flag}": (
+        "tf", dict(_CUDNN, checkpoint=blocks, lean=True, xla_flags=_CUDNN["xla_flags"] + extra)
+    ) for blocks in (10, 11) for flag, extra in (("", ""), ("_noexcess", " --xla_allow_excess_precision=false"))},
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
