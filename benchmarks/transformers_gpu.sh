@@ -17,6 +17,8 @@
 #   I2 the same with a Checkpoint on 11 blocks, beside torch.compile again
 #   J  ResNet50 against torch.compile, with and without excess precision, and without conv biases
 #      (torchvision's architecture; 320 steps after 80)
+#   K  kvram's cuDNN attention with XLA's cuDNN attention passes on (--xla_gpu_enable_cudnn_fmha):
+#      first the GPU test of its outputs and gradients against Keras's attention, then ViT-B
 #   F  one configuration of the GPT-2-medium-shaped decoder, named third (KerasHub;
 #      wheels in .gpu/hub: keras-hub, regex, tokenizers); its compilation takes minutes
 # Each configuration writes OUT/<bench>_<config>.json as it finishes.
@@ -55,6 +57,10 @@ I) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_l
      --only kvram_cudnn_lean_ckpt10_noexcess --only kvram_cudnn_lean_ckpt_noexcess --out "$out/vit_issue34.json" ;;
 I2) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_ckpt11_noexcess \
      --out "$out/vit_issue34_ckpt11.json" ;;
+K) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_cudnn_fmha=true" python -m pytest -q -m gpu tests/test_attention.py \
+     -k cudnn_attention_equals -p no:cacheprovider || exit 1
+   python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_nockpt \
+     --only kvram_cudnn_lean_nockpt_fmhaflag --out "$out/vit_fmhaflag.json" ;;
 J) python benchmarks/resnet50/bench.py --steps 320 --warmup 80 --only torch_fp16_compile \
      --only kvram_fp16_pin_spe16_cublaslt --only kvram_fp16_pin_spe16_cublaslt_noexcess \
      --only kvram_fp16_pin_spe16_cublaslt_nobias --out "$out/resnet50_issue34.json" ;;
