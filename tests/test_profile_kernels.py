@@ -2,7 +2,7 @@
 (benchmarks/profile/kernels.py), on made-up timelines."""
 
 from benchmarks.profile.kernels import (
-    describe_top_kernels, gaps, hlo_instructions, hlo_op_names, host_busy, host_during_gaps,
+    describe_top_kernels, gaps, hlo_instructions, host_busy, host_during_gaps, op_names,
 )
 
 # (name, start_us, dur_us, stream, op): a kernel, a device-to-host copy, 2 ms
@@ -82,7 +82,7 @@ def test_hlo_instructions_say_what_each_fused_kernel_computes(tmp_path):
     assert found["input_reduce_fusion.138"] == ("f32[768]{0}", "fusion", "g/b1/Sum")
     assert found["input_add_reduce_fusion.23"] == ("(f32[8]{0}, f32[8]{0})", "fusion", "g/ln")
     assert found["Sum.7"][1] == "reduce" and "copy.5" not in found  # no op name, not listed
-    assert hlo_op_names(str(tmp_path))["input_reduce_fusion.138"] == "g/b1/Sum"
+    assert op_names(found)["input_reduce_fusion.138"] == "g/b1/Sum"
     profile = {"top_kernels": [{"name": "input_reduce_fusion_138", "op": "input_reduce_fusion.138"},
                                {"name": "nvjet_sm90_tst", "op": ""}]}
     describe_top_kernels(profile, found)

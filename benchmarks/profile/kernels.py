@@ -301,7 +301,7 @@ def chrome_trace_kernels(path: str):
 
 
 # A transformer step's work by part of the model, for XLA kernels from the op
-# name of their HLO instruction (the Keras layer path, `hlo_op_names`), for
+# name of their HLO instruction (the Keras layer path, `op_names`), for
 # PyTorch's from the kernel's name (Inductor names its Triton kernels after the
 # aten ops they fuse; cuBLAS and flash-attention kernels name themselves).
 # Tried in order; a kernel's GEMM-ness comes from `KINDS` (`matmul`).
@@ -368,11 +368,6 @@ def hlo_instructions(directory: str) -> dict:
 def op_names(instructions: dict) -> dict:
     """{instruction name: TensorFlow op name} of `hlo_instructions`' result."""
     return {name: op_name for name, (_, _, op_name) in instructions.items()}
-
-
-def hlo_op_names(directory: str) -> dict:
-    """{instruction name: TensorFlow op name} of the module `hlo_instructions` reads."""
-    return op_names(hlo_instructions(directory))
 
 
 def describe_top_kernels(profile: dict, instructions: dict) -> None:
