@@ -33,6 +33,15 @@ def _step(layer, x):
     return [y, *tape.gradient(loss, [x, *layer.trainable_weights])]
 
 
+def _under_keras_einsum(compute):
+    """`compute()` with Keras's own einsum; kvram's is installed again after."""
+    assert kvram.speed.tensordot_einsum(enable=False)
+    try:
+        return compute()
+    finally:
+        assert kvram.speed.tensordot_einsum()
+
+
 def test_import_kvram_installs_it():
     from keras.src.backend.tensorflow import numpy as tf_numpy
 
@@ -45,11 +54,7 @@ def test_values_and_gradients_equal_keras(equation, shape, output_shape, bias):
     layer = keras.layers.EinsumDense(equation, output_shape=output_shape, bias_axes=bias)
     x = tf.random.normal(shape, seed=1)
     ours = _step(layer, x)
-    assert kvram.speed.tensordot_einsum(enable=False)
-    try:
-        theirs = _step(layer, x)
-    finally:
-        assert kvram.speed.tensordot_einsum()
+    theirs = _under_keras_einsum(lambda: _step(layer, x))
     assert ours[0].shape == theirs[0].shape
     assert max_rel_diff(theirs[:1], ours[:1]) < 1e-6
     assert max_rel_diff(theirs[1:], ours[1:], per_tensor=False) < 1e-6
@@ -64,11 +69,7 @@ def test_the_weight_gradient_is_a_matmul_not_a_batched_product():
     layer = keras.layers.EinsumDense("btd,dnh->btnh", output_shape=(None, 4, 8))
     x = tf.random.normal((6, 10, 16))
     assert "BatchMatMulV2" not in _gradient_ops(layer, x)
-    _einsum.uninstall()
-    try:
-        assert "BatchMatMulV2" in _gradient_ops(layer, x)  # Keras's own (Keras 3.15): it broadcasts
-    finally:
-        _einsum.install()
+    assert "BatchMatMulV2" in _under_keras_einsum(lambda: _gradient_ops(layer, x))  # Keras 3.15's broadcasts
 
 
 def _peak(layer, x):
@@ -81,11 +82,7 @@ def test_the_step_no_longer_holds_a_weight_gradient_per_row():
     layer = keras.layers.EinsumDense("btd,dnh->btnh", output_shape=(None, 8, 32))
     x = tf.random.normal((64, 8, 256))
     ours = _peak(layer, x)
-    _einsum.uninstall()
-    try:
-        theirs = _peak(layer, x)
-    finally:
-        _einsum.install()
+    theirs = _under_keras_einsum(lambda: _peak(layer, x))
     print(f"EinsumDense step peak: Keras's einsum {theirs / 2**20:.1f} MiB, tensordot {ours / 2**20:.1f} MiB")
     assert theirs >= 16 * 2**20 and ours < 4 * 2**20, (theirs, ours)
 
