@@ -63,7 +63,7 @@ def patch_embedding(x, patch, width, kind="conv"):
         x = layers.Conv2D(width, patch, strides=patch, name="patch_embedding")(x)
         return layers.Reshape((rows * cols, width), name="patches")(x)
     if kind != "matmul":
-        raise ValueError(f"`patch_embedding` must be 'conv' or 'matmul'. Received: {kind!r}")
+        raise ValueError(f"`patch_embedding_kind` must be 'conv' or 'matmul'. Received: {kind!r}")
     x = layers.Reshape((rows, patch, cols, patch, channels), name="patch_grid")(x)
     x = layers.Permute((1, 3, 2, 4, 5), name="patch_order")(x)
     x = layers.Reshape((rows * cols, patch * patch * channels), name="patches")(x)
