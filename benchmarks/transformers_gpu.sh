@@ -13,8 +13,8 @@
 #      "auto") on ResNet50 against torch.compile and the hand-tuned configuration
 #   H  the same on ViT-B/16
 #   I  issue 34's ViT-B/16 bars in one call: torch.compile, the lean step without and with a
-#      Checkpoint on 10 and on all 12 blocks, XLA without excess precision (160 steps after 40)
-#   I2 the same with a Checkpoint on 11 blocks, beside torch.compile again
+#      Checkpoint on 11 and on 10 of the 12 blocks, XLA without excess precision (160 steps after 40)
+#   I2 the same with a Checkpoint on all 12 blocks, beside torch.compile again
 #   J  ResNet50 against torch.compile, with and without excess precision, and without conv biases
 #      (torchvision's architecture; 320 steps after 80)
 #   K  kvram's cuDNN attention with XLA's cuDNN attention passes on (--xla_gpu_enable_cudnn_fmha):
@@ -54,9 +54,9 @@ G) for c in torch_fp16_compile kvram_default kvram_default_fp16 kvram_fp16_pin_s
    ;;
 H) vit torch_fp16_compile kvram_default kvram_nockpt_pin_spe16 ;;
 I) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_nockpt_noexcess \
-     --only kvram_cudnn_lean_ckpt10_noexcess --only kvram_cudnn_lean_ckpt_noexcess --out "$out/vit_issue34.json" ;;
-I2) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_ckpt11_noexcess \
-     --out "$out/vit_issue34_ckpt11.json" ;;
+     --only kvram_cudnn_lean_ckpt11_noexcess --only kvram_cudnn_lean_ckpt10_noexcess --out "$out/vit_issue34.json" ;;
+I2) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_ckpt_noexcess \
+     --out "$out/vit_issue34_ckpt.json" ;;
 K) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_cudnn_fmha=true" python -m pytest -q -m gpu tests/test_attention.py \
      -k cudnn_attention_equals -p no:cacheprovider || exit 1
    python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_nockpt \
