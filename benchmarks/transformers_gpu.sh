@@ -59,8 +59,8 @@ I2) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_
      --out "$out/vit_issue34_ckpt.json" ;;
 K) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_cudnn_fmha=true" python -m pytest -q -m gpu tests/test_attention.py \
      -k cudnn_attention_equals -p no:cacheprovider || exit 1
-   python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_nockpt \
-     --only kvram_cudnn_lean_nockpt_fmhaflag --out "$out/vit_fmhaflag.json" ;;
+   python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_nockpt_noexcess \
+     --only kvram_cudnn_lean_nockpt_fmhaflag_noexcess --out "$out/vit_fmhaflag.json" ;;
 J) python benchmarks/resnet50/bench.py --steps 320 --warmup 80 --only torch_fp16_compile \
      --only kvram_fp16_pin_spe16_cublaslt --only kvram_fp16_pin_spe16_cublaslt_noexcess \
      --only kvram_fp16_pin_spe16_cublaslt_nobias --out "$out/resnet50_issue34.json" ;;

@@ -254,10 +254,10 @@ CONFIGS = {
     # CudnnFusedMHATransposeFusion folds the transposes around kvram's cuDNN calls into the calls'
     # dimension numbers and output layouts (the q/k/v and gradient transposes: about 4.6 ms a step
     # in results/profile_vit_hlo_h200.json); check outputs first (transformers_gpu.sh part K)
-    "kvram_cudnn_lean_nockpt_fmhaflag": (
+    **{f"kvram_cudnn_lean_nockpt_fmhaflag{flag}": (
         "tf", dict(_CUDNN, checkpoint=False, lean=True,
-                   xla_flags=_CUDNN["xla_flags"] + " --xla_gpu_enable_cudnn_fmha=true")
-    ),
+                   xla_flags=_CUDNN["xla_flags"] + " --xla_gpu_enable_cudnn_fmha=true" + extra)
+    ) for flag, extra in (("", ""), ("_noexcess", " --xla_allow_excess_precision=false"))},
     # a Checkpoint on the first 10 or 11 of the 12 blocks (the last keep their activations: about
     # 1 GiB each, (17.04 - 4.90) / 12 in results/vit_tensordot_*.json), for issue 34's bar of
     # <= 0.40x torch_fp16_compile's 17.42 GiB
