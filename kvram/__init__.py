@@ -17,7 +17,11 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 if "tensorflow" not in _sys.modules:
     _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-from kvram import _plan_process, _quiet  # noqa: E402
+from kvram import _plan_process, _quiet, _xla_flags  # noqa: E402
+
+# cuBLASLt GEMMs and bf16/fp16 rounded where the graph says, before XLA's first
+# compilation reads XLA_FLAGS (kvram/_xla_flags.py; KVRAM_XLA_FLAGS=0 leaves it)
+_xla_flags.add_fast()
 
 if _plan_process.wanted():  # `kvram plan`'s process that waits on its child: no TensorFlow
     _sys.exit(_plan_process.main())

@@ -29,7 +29,7 @@ import tempfile
 import time
 import uuid
 
-from kvram import _quiet
+from kvram import _quiet, _xla_flags
 
 
 class _OutOfMemory(int):
@@ -249,11 +249,7 @@ def checking_environment(environ=None) -> dict:
     `QUICK_COMPILE`'s flags added where XLA_FLAGS does not name them, and
     TensorFlow's cuDNN autotuning off (`UNTUNED_CUDNN`=0, unless it is set)."""
     env = dict(os.environ if environ is None else environ)
-    flags = env.get("XLA_FLAGS", "")
-    named = {token.split("=")[0] for token in flags.split()}
-    added = [flag for flag in (UNTUNED, *QUICK_COMPILE) if flag.split("=")[0] not in named]
-    if added:
-        env["XLA_FLAGS"] = " ".join([flags, *added]).strip()
+    _xla_flags.add_unnamed((UNTUNED, *QUICK_COMPILE), env)
     env.setdefault(UNTUNED_CUDNN, "0")
     return env
 

@@ -8,7 +8,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # From the bottom up: a module may import its own room and the rooms below it.
 ROOMS = [
-    ("kvram._version", "kvram._quiet", "kvram._checks", "kvram._einsum", "kvram.memory", "kvram.precision"),
+    ("kvram._version", "kvram._quiet", "kvram._checks", "kvram._einsum", "kvram._xla_flags", "kvram.memory",
+     "kvram.precision"),
     ("kvram._plan_process",),
     ("kvram.layers", "kvram.data"),
     ("kvram.speed",),

@@ -84,6 +84,7 @@ def build(settings, batch, sequence, budget_gib):
     import numpy as np
     import tensorflow as tf
 
+    os.environ["KVRAM_XLA_FLAGS"] = "0"  # a configuration's own XLA flags alone, not those `import kvram` adds
     import kvram
     from kvram import remat
 

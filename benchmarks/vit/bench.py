@@ -282,6 +282,8 @@ def build_tf(settings, batch, device):
 
     # import kvram pins host memory on a GPU by default: here only where a configuration says so
     os.environ["KVRAM_PIN_HOST_MEMORY"] = "1" if settings.get("pin") or settings.get("default") else "0"
+    # and adds its XLA flags (kvram/_xla_flags.py): here a configuration's own flags alone, but for "default"
+    os.environ["KVRAM_XLA_FLAGS"] = "1" if settings.get("default") else "0"
     import kvram
     from models.vit import vit_b16
 

@@ -1,0 +1,45 @@
+"""Flags kvram adds to XLA_FLAGS. XLA reads the variable once, at the first
+compilation in the process, so these edits are made before any: `import kvram`
+makes `add_fast` (before it imports TensorFlow) and `kvram plan` gives its
+checking child `_plan_process.checking_environment`'s."""
+
+from __future__ import annotations
+
+import os
+
+# `import kvram` adds FAST to XLA_FLAGS unless this is "0".
+ENV = "KVRAM_XLA_FLAGS"
+
+# What `import kvram` adds, each unless XLA_FLAGS names it. Measured on one H200:
+# - cuBLASLt GEMMs: ViT-B/16 batch 256 +4.6% with MemoryEfficientAttention and
+#   +3.5% with Keras's; ResNet50 +0.6% (benchmarks/results/vit_cublaslt_h200.json,
+#   resnet50_cublaslt_h200.json, 2026-11-26).
+# - XLA keeps a bf16/fp16 value rounded where the graph rounds it, instead of
+#   carrying it in float32 between fusions (where it then writes the float32 copy:
+#   ViT-B's GELU gradient, f32[256,197,3072]): ViT-B 3446 against 3310 img/s
+#   (vit_tensordot_*excess_h200.json); ResNet50 6429 against 6430
+#   (resnet50_issue34_h200.json, 2026-11-29). It is the rounding TensorFlow
+#   without XLA does.
+# The first is a GPU option; the second applies to the CPU's XLA too. Both apply
+# to every XLA compilation in the process.
+FAST = ("--xla_gpu_enable_cublaslt=true", "--xla_allow_excess_precision=false")
+
+
+def add_unnamed(flags, environ: dict) -> list[str]:
+    """Appends to environ["XLA_FLAGS"] each of `flags` whose name (before any
+    "=") it does not set yet; returns those appended."""
+    present = environ.get("XLA_FLAGS", "")
+    named = {token.split("=")[0] for token in present.split()}
+    added = [flag for flag in flags if flag.split("=")[0] not in named]
+    if added:
+        environ["XLA_FLAGS"] = " ".join([present, *added]).strip()
+    return added
+
+
+def add_fast(environ=None) -> list[str]:
+    """`FAST`'s flags added to XLA_FLAGS where it does not name them, unless
+    KVRAM_XLA_FLAGS is "0"; returns those added."""
+    environ = os.environ if environ is None else environ
+    if environ.get(ENV, "1").strip() == "0":
+        return []
+    return add_unnamed(FAST, environ)
