@@ -20,7 +20,9 @@
 #   K  kvram's cuDNN attention with XLA's cuDNN attention passes on (--xla_gpu_enable_cudnn_fmha):
 #      first the GPU test of its outputs and gradients against Keras's attention, then ViT-B
 #   F  one configuration of the GPT-2-medium-shaped decoder, named third (KerasHub;
-#      wheels in .gpu/hub: keras-hub, regex, tokenizers); its compilation takes minutes
+#      wheels in .gpu/hub: keras-hub, regex, tokenizers, carried with the call); its compilation takes minutes
+#   F2 issue 34's decoder bar in one call: plain Keras bf16 and kvram's model with the XLA flags
+#      `import kvram` adds, 32 steps after 16 (about 7 minutes)
 # Each configuration writes OUT/<bench>_<config>.json as it finishes.
 #   bash benchmarks/transformers_gpu.sh A "$OUT"
 set -u
@@ -64,10 +66,15 @@ K) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_cudnn_fmha=true" python -m pytest -q -
 J) python benchmarks/resnet50/bench.py --steps 320 --warmup 80 --only torch_fp16_compile \
      --only kvram_fp16_pin_spe16_cublaslt --only kvram_fp16_pin_spe16_cublaslt_noexcess \
      --only kvram_fp16_pin_spe16_cublaslt_nobias --out "$out/resnet50_issue34.json" ;;
-F) python3 -c "import regex, tokenizers" 2>/dev/null || echo "regex/tokenizers from .gpu/hub"
+F|F2) python3 -c "import regex, tokenizers" 2>/dev/null || echo "regex/tokenizers from .gpu/hub"
    python3 -m pip install -q --no-index --no-deps --target /tmp/hub .gpu/hub/*.whl
    export PYTHONPATH=$PYTHONPATH:/tmp/hub
-   timeout 560 python benchmarks/decoder/bench.py --only "$3" --warmup 2 --steps 6 --out "$out/decoder_$3.json"
+   if [ "$part" = F ]; then
+     timeout 560 python benchmarks/decoder/bench.py --only "$3" --warmup 2 --steps 6 --out "$out/decoder_$3.json"
+   else
+     python benchmarks/decoder/bench.py --only keras_bf16 --only kvram_model_attention_lean_chunk1024_xlaflags \
+       --warmup 16 --steps 32 --out "$out/decoder_issue34.json"
+   fi
    ;;
 esac
 ls "$out"

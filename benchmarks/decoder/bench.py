@@ -72,6 +72,11 @@ CONFIGS = {
     "kvram_model_attention_lean_chunk1024_cublaslt": dict(
         kvram="model", attention=True, chunk_size=1024, lean=True, xla_flags="--xla_gpu_enable_cublaslt=true"
     ),
+    # with the XLA flags `import kvram` adds (kvram/_xla_flags.py FAST), which this bench otherwise leaves out
+    "kvram_model_attention_lean_chunk1024_xlaflags": dict(
+        kvram="model", attention=True, chunk_size=1024, lean=True,
+        xla_flags="--xla_gpu_enable_cublaslt=true --xla_allow_excess_precision=false",
+    ),
     "keras_bf16_spe16": dict(kvram=None, spe=16),
     "kvram_plan_attention_lean_chunk1024": dict(kvram="plan", attention=True, chunk_size=1024, lean=True),
 }
