@@ -17,6 +17,8 @@
 #   I2 the same with a Checkpoint on all 12 blocks, beside torch.compile again
 #   J  ResNet50 against torch.compile, with and without excess precision, and without conv biases
 #      (torchvision's architecture; 320 steps after 80)
+#   J2 issue 34's ResNet50 bar alone: torch.compile and kvram on torchvision's architecture (no conv
+#      biases), 320 steps after 80 (about 3.5 minutes)
 #   K  kvram's cuDNN attention with XLA's cuDNN attention passes on (--xla_gpu_enable_cudnn_fmha):
 #      first the GPU test of its outputs and gradients against Keras's attention, then ViT-B
 #   F  one configuration of the GPT-2-medium-shaped decoder, named third (KerasHub;
@@ -25,6 +27,8 @@
 #      `import kvram` adds, 32 steps after 16 (about 7 minutes)
 # Each configuration writes OUT/<bench>_<config>.json as it finishes.
 #   bash benchmarks/transformers_gpu.sh A "$OUT"
+# Issue 34's bars from one machine start (each call right after the last: an idle machine is
+# released in about 30 s): the install call with part I, then J2, then F2 (its call carries .gpu/hub).
 set -u
 part=$1
 out=$2
@@ -59,6 +63,8 @@ I) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_l
      --only kvram_cudnn_lean_ckpt11_noexcess --only kvram_cudnn_lean_ckpt10_noexcess --out "$out/vit_issue34.json" ;;
 I2) python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_ckpt_noexcess \
      --out "$out/vit_issue34_ckpt.json" ;;
+J2) python benchmarks/resnet50/bench.py --steps 320 --warmup 80 --only torch_fp16_compile \
+     --only kvram_fp16_pin_spe16_cublaslt_nobias --out "$out/resnet50_issue34_bar.json" ;;
 K) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_cudnn_fmha=true" python -m pytest -q -m gpu tests/test_attention.py \
      -k cudnn_attention_equals -p no:cacheprovider || exit 1
    python benchmarks/vit/bench.py --only torch_fp16_compile --only kvram_cudnn_lean_nockpt_noexcess \
