@@ -1,7 +1,7 @@
 """Flags kvram adds to XLA_FLAGS. XLA reads the variable once, at the first
-compilation in the process, so these edits are made before any: `import kvram`
-makes `add_fast` (before it imports TensorFlow) and `kvram plan` gives its
-checking child `_plan_process.checking_environment`'s."""
+compilation in the process, so each edit comes before any: `import kvram`
+calls `add_fast` before it imports TensorFlow itself, and `kvram plan` starts
+its checking child with `_plan_process.checking_environment`'s flags."""
 
 from __future__ import annotations
 
