@@ -60,6 +60,9 @@ from benchmarks.common import (  # noqa: E402
     use_keras_loop, versions,
 )
 
+# XLA without excess precision, and (name suffix, XLA flags added) for a configuration as it is and with it
+_NOEXCESS = " --xla_allow_excess_precision=false"
+_EXCESS_OR_NOT = (("", ""), ("_noexcess", _NOEXCESS))
 # what every kvram_cudnn_* configuration shares
 _CUDNN = dict(policy="mixed_bfloat16", attention="efficient", attention_impl="cudnn", spe=16, pin=True,
               xla_flags="--xla_gpu_enable_cublaslt=true")
@@ -247,8 +250,7 @@ CONFIGS = {
     # XLA without excess precision: bf16 values rounded where the graph says, not kept in float32
     # between fusions (3446 against 3310 img/s in one call, results/vit_tensordot_*excess_h200.json)
     **{f"kvram_cudnn_lean_{ckpt}_noexcess": (
-        "tf", dict(_CUDNN, checkpoint=ckpt == "ckpt", lean=True,
-                   xla_flags=_CUDNN["xla_flags"] + " --xla_allow_excess_precision=false")
+        "tf", dict(_CUDNN, checkpoint=ckpt == "ckpt", lean=True, xla_flags=_CUDNN["xla_flags"] + _NOEXCESS)
     ) for ckpt in ("nockpt", "ckpt")},
     # XLA's cuDNN attention passes on (--xla_gpu_enable_cudnn_fmha): with them XLA's
     # CudnnFusedMHATransposeFusion folds the transposes around kvram's cuDNN calls into the calls'
@@ -257,13 +259,13 @@ CONFIGS = {
     **{f"kvram_cudnn_lean_nockpt_fmhaflag{flag}": (
         "tf", dict(_CUDNN, checkpoint=False, lean=True,
                    xla_flags=_CUDNN["xla_flags"] + " --xla_gpu_enable_cudnn_fmha=true" + extra)
-    ) for flag, extra in (("", ""), ("_noexcess", " --xla_allow_excess_precision=false"))},
+    ) for flag, extra in _EXCESS_OR_NOT},
     # a Checkpoint on the first 10 or 11 of the 12 blocks (the last keep their activations: about
     # 1 GiB each, (17.04 - 4.90) / 12 in results/vit_tensordot_*.json), for issue 34's bar of
     # <= 0.40x torch_fp16_compile's 17.42 GiB
     **{f"kvram_cudnn_lean_ckpt{blocks}{flag}": (
         "tf", dict(_CUDNN, checkpoint=blocks, lean=True, xla_flags=_CUDNN["xla_flags"] + extra)
-    ) for blocks in (10, 11) for flag, extra in (("", ""), ("_noexcess", " --xla_allow_excess_precision=false"))},
+    ) for blocks in (10, 11) for flag, extra in _EXCESS_OR_NOT},
     "torch_fp16_compile_hostbatch": ("torch", dict(dtype="float16", compile=True, fused=True, host_batch=True)),
     # the README's usage: precision "auto", MemoryEfficientAttention, no checkpointing,
     # compile() with kvram's defaults, import kvram's pinning
