@@ -17,7 +17,7 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 if "tensorflow" not in _sys.modules:
     _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-from kvram import _plan_process, _quiet, _xla_flags  # noqa: E402
+from kvram import _env, _plan_process, _quiet, _xla_flags  # noqa: E402
 
 # cuBLASLt GEMMs and bf16/fp16 rounded where the graph says, before XLA's first
 # compilation reads XLA_FLAGS (kvram/_xla_flags.py; KVRAM_XLA_FLAGS=0 leaves it)
@@ -34,7 +34,7 @@ from kvram.training import Model  # noqa: E402
 
 if speed.pins_by_default():  # batches reach the GPU by DMA; KVRAM_PIN_HOST_MEMORY=0 leaves it
     speed.pin_host_memory()
-if _os.environ.get(speed.TENSORDOT_ENV, "1").strip() != "0":  # weight gradients as one GEMM each
+if not _env.switched_off(speed.TENSORDOT_ENV):  # weight gradients as one GEMM each
     speed.tensordot_einsum()
 
 __all__ = [

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from kvram._env import switched_off
+
 # `import kvram` adds FAST to XLA_FLAGS unless this is "0".
 ENV = "KVRAM_XLA_FLAGS"
 
@@ -39,7 +41,6 @@ def add_unnamed(flags, environ: dict) -> list[str]:
 def add_fast(environ=None) -> list[str]:
     """`FAST`'s flags added to XLA_FLAGS where it does not name them, unless
     KVRAM_XLA_FLAGS is "0"; returns those added."""
-    environ = os.environ if environ is None else environ
-    if environ.get(ENV, "1").strip() == "0":
+    if switched_off(ENV, environ):
         return []
-    return add_unnamed(FAST, environ)
+    return add_unnamed(FAST, os.environ if environ is None else environ)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 
 from kvram import _einsum
+from kvram._env import switched_off
 from kvram.layers import attention
 from kvram.layers.batch_norm import FusedBatchNormalization
 from kvram.layers.lean import LeanLayerNormalization, lean_gelu, lean_gelu_approximate
@@ -109,13 +110,10 @@ def pins_by_default(environ=None, gpus=None, started=None) -> bool:
     pinning alone made kvram's ResNet50 step 1.17x faster and plain Keras's 1.30x
     (benchmarks/results/resnet50_pinned_h200.json). The arguments stand in for the process's
     own state in tests."""
-    import os
-
     import tensorflow as tf
     from tensorflow.python.eager import context
 
-    environ = os.environ if environ is None else environ
-    if environ.get(PIN_ENV, "1").strip() == "0":
+    if switched_off(PIN_ENV, environ):
         return False
     started = context.context()._initialized if started is None else started
     if started:  # too late: the runtime keeps the configuration it started with

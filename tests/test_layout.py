@@ -8,6 +8,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # From the bottom up: a module may import its own room and the rooms below it.
 ROOMS = [
+    ("kvram._env",),
     ("kvram._version", "kvram._quiet", "kvram._checks", "kvram._einsum", "kvram._xla_flags", "kvram.memory",
      "kvram.precision"),
     ("kvram._plan_process",),
