@@ -21,6 +21,15 @@ def add_xla_flags(settings: dict) -> None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + settings["xla_flags"]).strip()
 
 
+def set_kvram_switches(settings: dict) -> None:
+    """Sets, before `import kvram`, which of its defaults a configuration takes:
+    host memory pinned on a GPU only where it pins (`pin`) or is the README's usage
+    (`default`); kvram's XLA flags (kvram/_xla_flags.py) only for `default`, the
+    others keeping their own `xla_flags` alone."""
+    os.environ["KVRAM_PIN_HOST_MEMORY"] = "1" if settings.get("pin") or settings.get("default") else "0"
+    os.environ["KVRAM_XLA_FLAGS"] = "1" if settings.get("default") else "0"
+
+
 def gpu_name() -> str:
     try:
         out = subprocess.run(

@@ -56,8 +56,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
-    add_xla_flags, timed_fit, timed_resident_steps, timed_torch_steps, track_gpu_frees, training_main,
-    use_keras_loop, versions,
+    add_xla_flags, set_kvram_switches, timed_fit, timed_resident_steps, timed_torch_steps, track_gpu_frees,
+    training_main, use_keras_loop, versions,
 )
 
 # XLA without excess precision, and (name suffix, XLA flags added) for a configuration as it is and with it
@@ -282,10 +282,7 @@ def build_tf(settings, batch, device):
     import keras
     import tensorflow as tf
 
-    # import kvram pins host memory on a GPU by default: here only where a configuration says so
-    os.environ["KVRAM_PIN_HOST_MEMORY"] = "1" if settings.get("pin") or settings.get("default") else "0"
-    # and adds its XLA flags (kvram/_xla_flags.py): here a configuration's own flags alone, but for "default"
-    os.environ["KVRAM_XLA_FLAGS"] = "1" if settings.get("default") else "0"
+    set_kvram_switches(settings)  # what import kvram does by default, only where the configuration says
     import kvram
     from models.vit import vit_b16
 
