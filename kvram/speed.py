@@ -209,8 +209,8 @@ def lean_activations(model: keras.layers.Layer) -> int:
     kept 886 MB of GELU intermediates and two float32 copies for its
     LayerNormalizations (benchmarks/results/vit_buffers_h200.json). Works on
     any model, inside `kvram.layers.Checkpoint` too; call it before training.
-    Saved models record `kvram>lean_gelu` and the kvram layer class: loading
-    them needs kvram imported.
+    Saved models record `kvram>lean_gelu` and `kvram>LeanLayerNormalization`:
+    `import kvram` is all that loading them needs.
 
     Returns:
         How many layers were switched.

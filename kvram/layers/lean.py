@@ -108,6 +108,7 @@ def lean_layer_norm(x, gamma, beta, epsilon):
     return normalise(x, gamma, beta)
 
 
+@keras.saving.register_keras_serializable(package="kvram")
 class LeanLayerNormalization(keras.layers.LayerNormalization):
     """`keras.layers.LayerNormalization` computed by `lean_layer_norm` where it
     normalises the last axis with a scale and a centre and no RMS scaling;

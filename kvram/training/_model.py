@@ -12,6 +12,7 @@ import tensorflow as tf
 from keras import tree
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
+from keras.src.saving import object_registration
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from kvram import _checks, data, precision
@@ -457,12 +458,18 @@ def _functional_class(cls: type) -> type:
     Keras itself rewrites the bases of a subclass called with `inputs, outputs`
     (`inject_functional_model_class`), which would turn `kvram.Model` into a
     functional class for every later subclass too; a derived class leaves it alone.
+    It is saved under `cls`'s registered name (a `.keras` file of a user's
+    `@register_keras_serializable(package="my") class Net(kvram.Model)` names
+    "my>Net", which loads as `Net(inputs, outputs)` again): Keras keeps the names
+    by class, and has no public call that names a class without also making it
+    what the name loads.
     """
     if cls not in _FUNCTIONAL_CLASSES:
         if cls is Model:
             derived = FunctionalModel
         else:
             derived = type(cls.__name__, (cls, Functional), {"__module__": cls.__module__})
+            object_registration.GLOBAL_CUSTOM_NAMES[derived] = keras.saving.get_registered_name(cls)
         _FUNCTIONAL_CLASSES[cls] = derived
     return _FUNCTIONAL_CLASSES[cls]
 
