@@ -366,6 +366,72 @@ def test_a_number_is_kept_and_a_bad_value_is_refused():
             net.compile(optimizer="adam", loss="mse", steps_per_execution=bad)
 
 
+def _updates(build, fit_kwargs, compile_kwargs=None, accumulation_steps=1):
+    """optimizer.iterations after fit() of the model `build` makes (accumulation
+    on the optimizer for plain Keras, on kvram.Model for kvram's)."""
+    keras.utils.set_random_seed(5)
+    optimizer = keras.optimizers.SGD(gradient_accumulation_steps=accumulation_steps if build is keras.Model
+                                     and accumulation_steps > 1 else None)
+    kwargs = {"accumulation_steps": accumulation_steps} if build is not keras.Model else {}
+    net = mlp(build, checkpoint=False, **kwargs)
+    net.compile(optimizer=optimizer, loss="mse", **(compile_kwargs or {}))
+    net.fit(**fit_kwargs, verbose=0)
+    return int(net.optimizer.iterations.numpy()), net
+
+
+def test_steps_per_epoch_below_sixteen_runs_as_many_batches_as_plain_keras():
+    x, y = data(n=64)
+    arrays = {"x": x, "y": y, "batch_size": 4, "epochs": 2, "steps_per_epoch": 5}
+    assert _updates(keras.Model, arrays)[0] == _updates(kvram.Model, arrays)[0] == 10
+    repeated = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat(), "epochs": 3,
+                "steps_per_epoch": 4}
+    plain, _ = _updates(keras.Model, repeated, accumulation_steps=2)
+    ours, net = _updates(kvram.Model, repeated, accumulation_steps=2)
+    assert plain == ours == 6 and net.steps_per_execution == 4
+    # 40 batches an epoch: the largest divisor up to 16 is 10
+    assert _updates(kvram.Model, {**repeated, "steps_per_epoch": 40, "epochs": 1})[1].steps_per_execution == 10
+
+
+class _Rows(keras.metrics.Metric):
+    """The rows a loop has seen."""
+
+    def __init__(self, name="rows", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), initializer="zeros", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(tf.cast(tf.shape(y_true)[0], self.total.dtype))
+
+    def result(self):
+        return self.total
+
+
+def test_evaluate_steps_and_validation_steps_run_as_many_batches_as_asked():
+    x, y = data(n=64)
+    net = mlp(checkpoint=False)
+    net.compile(optimizer="sgd", loss="mse", metrics=[_Rows()])
+    repeated = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+    assert net.evaluate(repeated, steps=3, verbose=0, return_dict=True)["rows"] == 12
+    assert net.steps_per_execution == 3
+    history = net.fit(repeated, steps_per_epoch=4, validation_data=repeated, validation_steps=6, epochs=1,
+                      verbose=0).history
+    assert net.steps_per_execution == 2 and int(net.optimizer.iterations.numpy()) == 4
+    assert history["rows"] == [16] and history["val_rows"] == [24]
+    assert net.predict(repeated.map(lambda a, b: a), steps=3, verbose=0).shape == (12, 3)
+
+
+def test_a_steps_per_execution_that_does_not_divide_steps_per_epoch_is_refused():
+    x, y = data(n=64)
+    net = mlp(checkpoint=False)
+    net.compile(optimizer="sgd", loss="mse", steps_per_execution=16)
+    with pytest.raises(ValueError, match=r"steps_per_execution=16 does not divide steps_per_epoch=5: Keras runs "
+                                         r"16 batches a call, so it would run 16 batches where 5 were asked for"):
+        net.fit(x, y, batch_size=4, steps_per_epoch=5, verbose=0)
+    assert int(net.optimizer.iterations.numpy()) == 0
+    with pytest.raises(ValueError, match=r"does not divide steps=3"):
+        net.evaluate(x, y, batch_size=4, steps=3, verbose=0)
+
+
 def test_auto_is_saved_as_auto(tmp_path):
     net = _fitted()
     path = tmp_path / "auto.keras"

@@ -13,6 +13,8 @@ watcher) that defines a batch hook of the loop being run, a batch-size controlle
 
 from __future__ import annotations
 
+import math
+
 import keras
 import tensorflow as tf
 
@@ -60,21 +62,55 @@ def sees_every_batch(callback, loop: str) -> bool:
     return False
 
 
-def steps_for(model, callbacks, loop: str) -> int:
-    """The steps per execution "auto" resolves to for this call of fit/evaluate/predict."""
+def steps_for(model, callbacks, loop: str, counts=()) -> int:
+    """The steps per execution "auto" resolves to for this call of fit/evaluate/predict:
+    `counts` are the batch counts the call was given (fit's `steps_per_epoch` and
+    `validation_steps`, evaluate's and predict's `steps`), which it must divide."""
     if model.run_eagerly or getattr(model, "_batch_controller", None) is not None:
         return 1
     if any(sees_every_batch(c, loop) for c in _callbacks(callbacks)):
         return 1
-    return AUTO_STEPS
+    whole = math.gcd(*counts) if counts else 0
+    return max(d for d in range(1, AUTO_STEPS + 1) if whole % d == 0)
 
 
-def resolve(model, callbacks, loop: str) -> None:
+# The batch counts each loop's call can be given (`steps_for`).
+_COUNTED = {"train": ("steps_per_epoch", "validation_steps"), "test": ("steps",), "predict": ("steps",)}
+
+
+def _counts(loop: str, kwargs: dict) -> dict:
+    """{name: count} of the batch counts given to this call; positive ints only (Keras
+    checks the rest)."""
+    return {
+        name: kwargs[name] for name in _COUNTED[loop]
+        if isinstance(kwargs.get(name), int) and not isinstance(kwargs[name], bool) and kwargs[name] > 0
+    }
+
+
+def resolve(model, callbacks, loop: str, kwargs=None) -> None:
     """Sets `model.steps_per_execution` for this call where the model was compiled with
-    "auto"; the compiled functions are made again only when the number changes."""
+    "auto"; the compiled functions are made again only when the number changes.
+
+    Keras runs whole executions: given `steps_per_epoch=5` with 16 steps an
+    execution, its epoch runs 16 batches (plain Keras too, Keras 3.15:
+    `EpochIterator` steps through the epoch `steps_per_execution` at a time). So
+    "auto" takes the largest number up to 16 that divides every count the call
+    was given (`kwargs`: fit's `steps_per_epoch` and `validation_steps`,
+    evaluate's and predict's `steps`), and an int given to `compile()` that
+    does not divide one is refused (ValueError) before anything runs."""
+    counts = _counts(loop, kwargs or {})
     if not getattr(model, "_auto_steps_per_execution", False):
+        given = int(getattr(model, "steps_per_execution", 1) or 1)
+        for name, count in counts.items():
+            if count % given:
+                raise ValueError(
+                    f"steps_per_execution={given} does not divide {name}={count}: Keras runs "
+                    f"{given} batches a call, so it would run {-(-count // given) * given} batches "
+                    f"where {count} were asked for. Compile with steps_per_execution='auto' (kvram's "
+                    f"default takes the largest divisor up to {AUTO_STEPS}) or an int that divides {count}."
+                )
         return
-    steps = steps_for(model, callbacks, loop)
+    steps = steps_for(model, callbacks, loop, tuple(counts.values()))
     if steps != model.steps_per_execution:
         model.steps_per_execution = steps
         model.train_function = model.test_function = model.predict_function = None

@@ -91,7 +91,10 @@ class Model(keras.Model):
       step, so the GPU does not wait for Python between batches (ResNet50 on an
       H200: 1.05x), and one batch per call where a callback passed to that call
       defines a batch hook (`on_train_batch_end`, ...: it then sees every batch),
-      under `AdaptiveBatchSize`, and with `run_eagerly=True`. An int is used as given.
+      under `AdaptiveBatchSize`, and with `run_eagerly=True`. Given `steps_per_epoch`,
+      `validation_steps` or `steps`, "auto" takes the largest number up to 16 that
+      divides them (5 for `steps_per_epoch=5`), since Keras runs whole calls; an int
+      is used as given, and refused where it does not divide them.
       With several batches a call, the loop over them is Keras's with its own
       control (step count, "is there a batch") computed on the host: Keras's
       computes it on the GPU and waits for it every batch (ViT-B/16 on an
@@ -286,7 +289,7 @@ class Model(keras.Model):
         self._batch_controller = controllers[0] if controllers else None
         if self._batch_controller is not None or previous is not None:
             self.train_function = None  # built again below, for the new controller
-        _execution.resolve(self, callbacks, "train")
+        _execution.resolve(self, callbacks, "train", kwargs)
         self._in_fit = True  # fit's validation runs evaluate() with fit's steps per execution
         try:
             with warnings.catch_warnings():
@@ -302,13 +305,13 @@ class Model(keras.Model):
 
     def evaluate(self, *args, **kwargs):
         if not getattr(self, "_in_fit", False):
-            _execution.resolve(self, kwargs.get("callbacks"), "test")
+            _execution.resolve(self, kwargs.get("callbacks"), "test", kwargs)
         with data.raise_shard_errors():  # a failed shard check as kvram.data.ShardError
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
         if not getattr(self, "_in_fit", False):  # a callback's predict() keeps fit's function
-            _execution.resolve(self, kwargs.get("callbacks"), "predict")
+            _execution.resolve(self, kwargs.get("callbacks"), "predict", kwargs)
         with data.raise_shard_errors():
             return super().predict(*args, **kwargs)
 
