@@ -205,6 +205,44 @@ def test_clip_conflict_with_optimizer_clipping():
         model.compile(optimizer=keras.optimizers.SGD(clipnorm=0.5), loss="mse")
 
 
+def test_a_refused_compile_changes_nothing():
+    x, y = data(16)
+    keras.utils.set_random_seed(2)
+    plain = mlp(keras.Model, checkpoint=False)
+    plain.compile(optimizer="sgd", loss="mse")
+    plain.fit(x, y, batch_size=4, epochs=2, verbose=0)
+
+    keras.utils.set_random_seed(2)
+    net = mlp(checkpoint=False, micro_batch_size=2)
+    summed = keras.losses.MeanSquaredError(reduction="sum")
+    with pytest.raises(ValueError, match=r"micro_batch_size needs losses that average over the batch .*"
+                                         r"Received: loss 'mean_squared_error' with reduction='sum'"):
+        net.compile(optimizer="sgd", loss=summed)
+    assert not net.compiled
+    with pytest.raises(ValueError, match="You must call `compile\(\)` before"):
+        net.fit(x, y, batch_size=4, verbose=0)
+    net.compile(optimizer="sgd", loss="mse")
+    net.fit(x, y, batch_size=4, verbose=0)
+    # compiled and trained: a second refused compile keeps the first one's optimizer and loss
+    optimizer = net.optimizer
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        net.compile(optimizer="adam", loss=summed)
+    assert net.optimizer is optimizer and net.loss == "mse"
+    net.fit(x, y, batch_size=4, verbose=0)
+    assert int(net.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 8
+    for a, b in zip(values(net.weights), values(plain.weights)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_refused_compile_leaves_the_optimizer_as_it_was():
+    model = mlp(accumulation_steps=2, clip_global_norm=1.0)
+    optimizer = keras.optimizers.SGD(clipnorm=0.5)
+    with pytest.raises(ValueError, match=r"already clips gradients \(clipnorm=0.5"):
+        model.compile(optimizer=optimizer, loss="mse")
+    assert optimizer.gradient_accumulation_steps is None and optimizer.global_clipnorm is None
+    assert not model.compiled
+
+
 def test_metrics_evaluate_predict_as_keras():
     plain = mlp(cls=keras.Model, checkpoint=False)
     ours = mlp(checkpoint=True)

@@ -201,18 +201,32 @@ class Model(keras.Model):
         return getattr(optimizer, "inner_optimizer", optimizer)
 
     def compile(self, optimizer="rmsprop", *args, steps_per_execution="auto", **kwargs):
+        # Every check first: a compile() that is refused changes nothing (neither the
+        # model, compiled before or not, nor the optimizer).
         precision.check_model_policy(self)
         _execution.check(steps_per_execution)
+        optimizer = keras.optimizers.get(optimizer)
+        loss = args[0] if args else kwargs.get("loss")
+        if self._micro_batch_size is not None:
+            _step.check_mean_reductions(loss)
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if inner is not None:
+            self._check_optimizer(inner)
         auto = steps_per_execution == _execution.AUTO
         super().compile(optimizer, *args, steps_per_execution=1 if auto else steps_per_execution, **kwargs)
         self._auto_steps_per_execution = auto
         if auto:  # saved as given, so a loaded model resolves it again
             self._compile_config.config["steps_per_execution"] = _execution.AUTO
-        if self._micro_batch_size is not None:
-            _step.check_mean_reductions(getattr(self, "loss", None))
-        inner = self.inner_optimizer
         if inner is None:
             return
+        if self.accumulation_steps > 1:
+            inner.gradient_accumulation_steps = self.accumulation_steps
+        if self.clip_global_norm is not None:
+            inner.global_clipnorm = self.clip_global_norm
+
+    def _check_optimizer(self, inner) -> None:
+        """Refuses an optimizer that cannot do what the model was given (accumulation,
+        clipping), before `compile()` changes anything."""
         if self.accumulation_steps > 1 and self.distribute_strategy.num_replicas_in_sync > 1:
             raise ValueError(
                 f"accumulation_steps={self.accumulation_steps} cannot run under "
@@ -237,18 +251,16 @@ class Model(keras.Model):
                     "gradients. Pass a new optimizer (or its name) to compile(). "
                     f"Received: optimizer={inner.name!r} (built)"
                 )
-            inner.gradient_accumulation_steps = self.accumulation_steps
-        if self.clip_global_norm is not None:
-            if inner.clipnorm is not None or inner.clipvalue is not None or (
-                inner.global_clipnorm not in (None, self.clip_global_norm)
-            ):
-                raise ValueError(
-                    "The optimizer already clips gradients (clipnorm="
-                    f"{inner.clipnorm}, clipvalue={inner.clipvalue}, global_clipnorm="
-                    f"{inner.global_clipnorm}) and kvram.Model was given clip_global_norm="
-                    f"{self.clip_global_norm}. Set one of them, not both."
-                )
-            inner.global_clipnorm = self.clip_global_norm
+        if self.clip_global_norm is not None and (
+            inner.clipnorm is not None or inner.clipvalue is not None
+            or inner.global_clipnorm not in (None, self.clip_global_norm)
+        ):
+            raise ValueError(
+                "The optimizer already clips gradients (clipnorm="
+                f"{inner.clipnorm}, clipvalue={inner.clipvalue}, global_clipnorm="
+                f"{inner.global_clipnorm}) and kvram.Model was given clip_global_norm="
+                f"{self.clip_global_norm}. Set one of them, not both."
+            )
 
     def compile_from_config(self, config):
         # Keras skips compile() on load for models that override it; kvram's
