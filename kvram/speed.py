@@ -263,6 +263,8 @@ def efficient_attention(model: keras.layers.Layer, chunk_size: int = 512, implem
         ValueError: `chunk_size` or `implementation` is not allowed.
     """
 
+    attention.check_arguments(chunk_size, implementation)  # before any layer is looked at
+
     def make_efficient(layer):
         if (
             isinstance(layer, keras.layers.MultiHeadAttention)

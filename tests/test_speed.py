@@ -401,6 +401,38 @@ def test_efficient_attention_with_keras_causal_mask_equals_keras():
                         [values(layer(q, q))]) <= 1e-5
 
 
+# Every attention_mask shape Keras's MultiHeadAttention takes: (B, T, S), (T, S), one
+# broadcast over queries, one per head, one broadcast over the batch.
+@pytest.mark.parametrize("shape", [(3, 10, 12), (10, 12), (3, 1, 1, 12), (3, 1, 12), (3, 2, 10, 12), (1, 12),
+                                   (1, 1, 10, 12)])
+def test_efficient_attention_takes_every_mask_shape_keras_takes(shape):
+    keras.utils.set_random_seed(2)
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=0.0)
+    q, v = tf.random.normal((3, 10, 16), seed=4), tf.random.normal((3, 12, 16), seed=5)
+    mask = tf.constant(np.random.default_rng(0).random(shape) > 0.4)
+
+    def output_and_gradients():
+        with tf.GradientTape() as tape:
+            tape.watch([q, v])
+            out = layer(q, v, attention_mask=mask)
+        return [out, *tape.gradient(out, [q, v] + layer.trainable_weights)]
+
+    expected = values(output_and_gradients())
+    assert kvram.speed.efficient_attention(layer, chunk_size=5) == 1
+    assert max_rel_diff(expected, values(output_and_gradients()), per_tensor=False) <= 1e-5
+
+
+def test_efficient_attention_refuses_bad_arguments_with_nothing_left_to_switch():
+    inputs = keras.Input((12, 16))
+    model = keras.Model(inputs, kvram.layers.MemoryEfficientAttention(num_heads=2, key_dim=8)(inputs, inputs))
+    with pytest.raises(ValueError, match=r"`chunk_size` must be an int >= 1. Received: chunk_size=0"):
+        kvram.speed.efficient_attention(model, chunk_size=0)
+    with pytest.raises(ValueError, match=r"implementation must be one of \('auto', 'chunked', 'cudnn'\). "
+                                         r"Received: 'flash'"):
+        kvram.speed.efficient_attention(model, implementation="flash")
+    assert kvram.speed.efficient_attention(model) == 0
+
+
 def test_efficient_attention_switches_each_layer_once_and_is_not_saved(tmp_path):
     with pytest.raises(TypeError, match="efficient_attention expects a Keras model or layer. Received: model=3"):
         kvram.speed.efficient_attention(3)

@@ -88,8 +88,7 @@ def make_efficient(layer, chunk_size: int = 512, implementation: str = "auto") -
     does, in place: the instance's `_compute_attention` and
     `_compute_attention_mask` are replaced, its class, weights and configuration
     are kept (so a saved model records the layer as it was)."""
-    chunk_size = _checks.positive_int("chunk_size", chunk_size)
-    _check_implementation(implementation)
+    chunk_size, implementation = check_arguments(chunk_size, implementation)
     own_mask = type(layer)._compute_attention_mask
 
     def compute_attention_mask(query, value, *args, use_causal_mask=False, **kwargs):
@@ -104,6 +103,13 @@ def make_efficient(layer, chunk_size: int = 512, implementation: str = "auto") -
     layer._compute_attention_mask = compute_attention_mask
     layer._compute_attention = compute_attention
     layer._kvram_efficient = (chunk_size, implementation)
+
+
+def check_arguments(chunk_size, implementation) -> tuple:
+    """(chunk_size, implementation) if both are allowed, else TypeError/ValueError."""
+    chunk_size = _checks.positive_int("chunk_size", chunk_size)
+    _check_implementation(implementation)
+    return chunk_size, implementation
 
 
 def _check_implementation(implementation):
@@ -137,7 +143,7 @@ def attend(layer, query, key, value, attention_mask, training, return_attention_
     if implementation == "cudnn" and not _symbolic():
         raise ValueError(f"MemoryEfficientAttention(implementation='cudnn') cannot run here: {why_not}.")
     q = q * tf.cast(layer._inverse_sqrt_key_dim, q.dtype)
-    mask = None if attention_mask is None else tf.cast(attention_mask, tf.bool)
+    mask = None if attention_mask is None else _as_score_mask(attention_mask)
     dropout, seed = 0.0, None
     if layer._dropout > 0.0 and training:
         # The MultiHeadAttention's own dropout layer's seed generator, so a
@@ -148,6 +154,22 @@ def attend(layer, query, key, value, attention_mask, training, return_attention_
         dropout, seed = layer._dropout, _cast_seed(draw_seed(layer._dropout_layer.seed_generator))
     out = chunked_attention(q, k, v, mask, causal=causal, chunk_size=chunk_size, dropout=dropout, seed=seed)
     return tf.transpose(out, [0, 2, 1, 3]), None
+
+
+def _as_score_mask(attention_mask):
+    """An attention mask of any shape `MultiHeadAttention` takes, as a boolean mask
+    that broadcasts against the (B, N, T, S) scores: Keras inserts axes before its
+    last two until it has the scores' rank (`_masked_softmax`: (T, S) and (B, T, S)
+    gain heads, (B, 1, 1, S) is used as it is)."""
+    mask = tf.cast(attention_mask, tf.bool)
+    if mask.shape.rank is None or mask.shape.rank > 4:
+        raise ValueError(
+            "MemoryEfficientAttention takes an attention_mask that broadcasts against the "
+            f"(batch, heads, queries, keys) scores, of rank 2 to 4. Received: shape {mask.shape}"
+        )
+    while mask.shape.rank < 4:
+        mask = tf.expand_dims(mask, -3)
+    return mask
 
 
 def _why_not_cudnn(layer, implementation, q, k, v, attention_mask, causal, training):
@@ -178,7 +200,8 @@ def chunked_attention(q, k, v, mask=None, causal=False, chunk_size=512, dropout=
 
     Args:
         q: (B, N, T, H), already scaled. k: (B, N, S, H). v: (B, N, S, Hv).
-        mask: None or bool (B, T, S), True where attention is allowed.
+        mask: None or bool (B, T, S), or of rank 4 broadcasting against the
+            (B, N, T, S) scores, True where attention is allowed.
         causal: also mask keys after each query (position s > t).
         chunk_size: keys per chunk. The keys are padded (masked) to a multiple
             of it, so every chunk has one static shape (XLA compiles the loop).
@@ -230,11 +253,16 @@ class _Plan:
         self.seed = seed
         self.mask = None
         if mask is not None:
-            # (B, T, S) -> (C, B, 1, T, chunk), padded keys not allowed.
-            mask = tf.pad(mask, [[0, 0], [0, 0], [0, self.padding]], constant_values=False)
+            if mask.shape.rank == 3:  # (B, T, S): the same for every head
+                mask = mask[:, None]
+            # (B', N', T', S) (each of B', N', T' the scores' size or 1) -> (C, B', N', T', chunk),
+            # padded keys not allowed.
             shape = tf.shape(mask)
-            mask = tf.reshape(mask, [shape[0], shape[1], self.count, chunk_size])
-            self.mask = tf.transpose(mask, [2, 0, 1, 3])[:, :, None]
+            mask = tf.broadcast_to(mask, tf.concat([shape[:3], [self.keys]], 0))
+            mask = tf.pad(mask, [[0, 0], [0, 0], [0, 0], [0, self.padding]], constant_values=False)
+            shape = tf.shape(mask)
+            mask = tf.reshape(mask, [shape[0], shape[1], shape[2], self.count, chunk_size])
+            self.mask = tf.transpose(mask, [3, 0, 1, 2, 4])
 
     def split(self, x):
         """(B, N, S, H) -> (C, B, N, chunk, H), zero-padded."""
