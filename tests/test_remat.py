@@ -596,6 +596,9 @@ def test_plan_budget_below_the_least_says_the_least(chain_plan):
     with pytest.raises(ValueError, match=rf"below the least memory .* {least:,} bytes"):
         chosen.with_budget(least - 4096)
     assert chosen.with_budget(least).predicted_peak_bytes <= least
+    with pytest.raises(ValueError, match=r"budget_bytes must be a positive number of bytes or None. "
+                                         r"Received: inf"):
+        chosen.with_budget(float("inf"))
     # below the variables and the batch alone: said before any step is measured
     resident = chosen.resident_bytes
     with pytest.raises(ValueError, match=rf"below the least memory .* batch alone take {resident:,} bytes"):
@@ -603,7 +606,7 @@ def test_plan_budget_below_the_least_says_the_least(chain_plan):
             remat.plan(model, (x, y), loss=_LOSS, budget_bytes=resident - 1)
 
 
-@pytest.mark.parametrize("budget", [0, -5, "16GB", True, float("nan")])
+@pytest.mark.parametrize("budget", [0, -5, "16GB", True, float("nan"), float("inf")])
 def test_plan_budget_must_be_positive_bytes(budget):
     with pytest.raises(ValueError, match=r"budget_bytes must be a positive number of bytes or None. Received"):
         remat.plan(_dropout_chain(), np.zeros((2, 32, 32, 3), "float32"), budget_bytes=budget)

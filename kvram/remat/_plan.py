@@ -189,7 +189,8 @@ def _nbytes(variable) -> int:
 def _check_budget(budget_bytes):
     if budget_bytes is None:
         return None
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or not budget_bytes > 0:
+    if (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or not budget_bytes > 0
+            or budget_bytes == math.inf):
         raise ValueError(
             f"budget_bytes must be a positive number of bytes or None. Received: {budget_bytes!r}"
         )
