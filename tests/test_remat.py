@@ -612,6 +612,29 @@ def test_plan_budget_must_be_positive_bytes(budget):
         remat.plan(_dropout_chain(), np.zeros((2, 32, 32, 3), "float32"), budget_bytes=budget)
 
 
+def _two_dict_outputs():
+    inputs = keras.Input((6,), name="x")
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Dense(16, activation="relu")(inputs))
+    model = keras.Model(inputs, {"a": keras.layers.Dense(2, name="a")(hidden),
+                                 "b": keras.layers.Dense(3, name="b")(hidden)})
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 6)).astype("float32")
+    return model, x, {"a": rng.normal(size=(8, 2)).astype("float32"), "b": rng.normal(size=(8, 3)).astype("float32")}
+
+
+@pytest.mark.parametrize("loss, loss_weights", [({"a": "mse", "b": "mae"}, {"a": 1.0, "b": 0.5}), ("mse", None)])
+def test_plan_takes_the_compiled_losses_of_a_model_with_dict_outputs(loss, loss_weights):
+    model, x, y = _two_dict_outputs()
+    model.compile(optimizer="sgd", loss=loss, loss_weights=loss_weights)
+    expected = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)["loss"]
+    trackers = [values(m.variables) for m in model._compile_loss.metrics]
+    planned = remat._check._loss_function(model, None)
+    assert abs(float(planned(y, model(x))) - expected) <= 1e-5 * abs(expected)
+    chosen = remat.plan(model, (x, y), verbose=0)
+    assert chosen.apply()(x)["b"].shape == (8, 3)
+    assert [values(m.variables) for m in model._compile_loss.metrics] == trackers  # not updated by planning
+
+
 def test_plan_refuses_what_it_cannot_cut():
     with pytest.raises(TypeError, match="Expected a functional keras.Model"):
         remat.plan("resnet50", np.zeros((2, 8)))

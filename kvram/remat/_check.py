@@ -14,6 +14,7 @@ import time
 import keras
 import tensorflow as tf
 from keras import tree
+from keras.src.trainers.compile_utils import CompileLoss
 
 from kvram import memory
 from kvram._plan_process import STARTED, UNTUNED, _OutOfMemory
@@ -66,16 +67,32 @@ def _rows(x) -> int:
 
 
 def _loss_function(model, loss):
-    """The planned step's loss of (y, the model's outputs): `loss` (default
-    the model's compiled one) of y and the first output, else a mean square
-    of every output."""
+    """The planned step's loss of (y, the model's outputs): `loss` (default the
+    model's compiled one, with its loss weights) as `compile()` takes it, a name,
+    a callable, or a list or dict of them for a model with several outputs, as
+    training computes it (Keras's `CompileLoss`, of its own: the model's keeps
+    its loss trackers); else a mean square of every output."""
+    weights = None
     if loss is None:
         loss = getattr(model, "loss", None)
+        weights = getattr(getattr(model, "_compile_loss", None), "_user_loss_weights", None)
     if loss is None:
         return lambda y, out: 0.5 * tf.add_n(
             [tf.reduce_mean(tf.square(tf.cast(o, "float32"))) for o in tree.flatten(out)])
-    loss = keras.losses.get(loss)
-    return lambda y, out: tf.reduce_mean(loss(y, tf.cast(tree.flatten(out)[0], "float32")))
+    compiled = CompileLoss(loss, weights, output_names=getattr(model, "output_names", None))
+
+    def loss_fn(y, out):
+        if y is None:
+            raise ValueError(
+                "The loss to plan with needs targets: pass sample_batch=(x, y). Received: x alone, "
+                f"with loss={loss!r}"
+            )
+        if not compiled.built:
+            with tf.init_scope():  # its loss trackers made once, outside the traced step
+                compiled.build(y, out)
+        return compiled(y, out)
+
+    return loss_fn
 
 
 def _uses_xla(model, jit_compile, device) -> bool:
