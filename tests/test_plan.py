@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -267,11 +268,36 @@ def test_cli_plan_module_function_and_keras_file(tmp_path, capsys):
         (["--model", "ResNet50", "--input-shape", "32,32,3", "--micro-batch-sizes", "4,half"],
          r"--micro-batch-sizes: '4,half'. Allowed: comma-separated row counts"),
         (["--model", "ResNet50", "--input-shape", "32,32,3", "--limit-gpu"], "--limit-gpu needs --gpu-memory"),
+        (["--model", "ResNet50", "--input-shape", "224x224"],
+         r"^kvram plan: --input-shape 224x224: expected positive integers separated by commas, H,W,C for an "
+         r"image model \(e.g. 224,224,3\)$"),
+        (["--model", "ResNet50", "--input-shape", "224,224", "--gpu-memory", "2GB"],
+         r"^kvram plan: --model ResNet50: keras.applications.ResNet50 raised ValueError: `input_shape` must be "
+         r"a tuple of three integers.$"),
     ],
 )
 def test_cli_plan_bad_input(argv, message):
     with pytest.raises(SystemExit, match=message):
         cli.main(["plan", "--batch-size", "8", *argv])
+
+
+def test_cli_plan_finds_a_module_beside_the_user_and_says_what_its_function_did(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    (tmp_path / "kvram_test_badmod.py").write_text(
+        "def build():\n    raise RuntimeError('out of ideas')\n\ndef three():\n    return 3\n")
+    with pytest.raises(SystemExit, match=r"^kvram plan: --model kvram_test_badmod:build: build\(\) raised "
+                                         r"RuntimeError: out of ideas$"):
+        cli.main(["plan", "--batch-size", "8", "--model", "kvram_test_badmod:build", "--isolate", "never",
+                  "--gpu-memory", "1GB"])
+    with pytest.raises(SystemExit, match=r"^kvram plan: --model kvram_test_badmod:three: three\(\) returned "
+                                         r"int, not a Keras model$"):
+        cli.main(["plan", "--batch-size", "8", "--model", "kvram_test_badmod:three", "--isolate", "never",
+                  "--gpu-memory", "1GB"])
+    (tmp_path / "notzip.keras").write_text("junk")
+    with pytest.raises(SystemExit, match=r"^kvram plan: --model notzip.keras: not a .keras file \(model.save "
+                                         r"writes a zip archive; this is 4 bytes of something else\)$"):
+        cli.main(["plan", "--batch-size", "8", "--model", "notzip.keras"])
 
 
 def test_cli_plan_limit_gpu_says_when_there_is_no_gpu():

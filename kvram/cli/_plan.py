@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import sys
+import zipfile
 
 import keras
 import tensorflow as tf
@@ -22,14 +23,19 @@ def _model_builder(spec: str, input_shape, classes: int):
     if spec.endswith(".keras"):
         if not os.path.exists(spec):
             raise SystemExit(f"kvram plan: --model {spec}: no such file")
-        return lambda: keras.models.load_model(spec, compile=False)
+        if not zipfile.is_zipfile(spec):
+            raise SystemExit(f"kvram plan: --model {spec}: not a .keras file (model.save writes a zip archive; "
+                             f"this is {os.path.getsize(spec):,} bytes of something else)")
+        return _checked(spec, "keras.models.load_model", lambda: keras.models.load_model(spec, compile=False))
     if ":" in spec:
         module_name, _, function_name = spec.partition(":")
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` finds it
         try:
             function = getattr(importlib.import_module(module_name), function_name)
         except (ImportError, AttributeError) as error:
             raise SystemExit(f"kvram plan: --model {spec}: cannot import it ({error})") from None
-        return function
+        return _checked(spec, f"{function_name}()", function)
     name = spec.removeprefix("keras.applications.")
     constructor = getattr(keras.applications, name, None)
     if constructor is None or not callable(constructor) or name[:1].islower():
@@ -40,7 +46,37 @@ def _model_builder(spec: str, input_shape, classes: int):
         )
     if input_shape is None:
         raise SystemExit("kvram plan: --input-shape is needed with a keras.applications model")
-    return lambda: constructor(weights=None, input_shape=input_shape, classes=classes)
+    return _checked(spec, f"keras.applications.{name}",
+                    lambda: constructor(weights=None, input_shape=input_shape, classes=classes))
+
+
+def _checked(spec: str, what: str, build):
+    """`build`, ending the command with one line where it raises or makes no Keras model."""
+
+    def checked():
+        try:
+            model = build()
+        except Exception as error:  # noqa: BLE001 - the user's code: said in one line
+            raise SystemExit(f"kvram plan: --model {spec}: {what} raised {type(error).__name__}: {error}") from None
+        if not isinstance(model, keras.Model):
+            raise SystemExit(f"kvram plan: --model {spec}: {what} returned {type(model).__name__}, not a Keras model")
+        return model
+
+    return checked
+
+
+def _input_shape(text):
+    """`--input-shape`'s H,W,C as ints, or the command's one-line error."""
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise SystemExit(f"kvram plan: --input-shape {text}: expected positive integers separated by commas, "
+                         "H,W,C for an image model (e.g. 224,224,3)")
+    return shape
 
 
 def _plan(args) -> int:
@@ -70,8 +106,7 @@ def _plan(args) -> int:
                 raise SystemExit("kvram plan: --limit-gpu: TensorFlow sees no GPU")
         except RuntimeError as error:  # the GPU was initialized already
             raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
-    shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
-    build = _model_builder(args.model, shape, args.classes)
+    build = _model_builder(args.model, _input_shape(args.input_shape), args.classes)
     if args.plan_child:  # what the estimate's process took to start, in the command's time
         StageLog(True)(f"TensorFlow {tf.__version__} imported"
                        + (f", GPU limited to {memory_bytes // 2**20:,} MiB" if args.limit_gpu else ""))
