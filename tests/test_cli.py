@@ -134,7 +134,7 @@ def test_out_that_is_a_users_directory_is_refused(tmp_path, capsys, overwrite):
     assert err == (
         f"kvram shards write: {user} exists and is not a kvram shard directory: it holds thesis.tex and "
         "no kvram index.json. kvram replaces only shard directories it wrote, with or without "
-        "overwrite=True; nothing was written. Choose a new directory for the shards. "
+        "--overwrite; nothing was written. Choose a new directory for the shards. "
         f"Received: directory={str(user)!r}\n"
     )
     assert os.listdir(user) == ["thesis.tex"] and (user / "thesis.tex").read_text() == "\\chapter{One}"
@@ -149,12 +149,24 @@ def test_overwrite_replaces_a_shard_directory(tmp_path, capsys):
     assert _run(["shards", "write", str(x), str(out)], capsys)[0] == 0
     code, err = _run(["shards", "write", str(x), str(out)], capsys)
     assert code == 1 and err == (
-        f"kvram shards write: {out} exists (a kvram shard directory); pass overwrite=True to replace it. "
+        f"kvram shards write: {out} exists (a kvram shard directory); pass --overwrite to replace it. "
         f"Received: directory={str(out)!r}\n"
     )
     _npy(x, rows=3)
     assert _run(["shards", "write", str(x), str(out), "--overwrite"], capsys)[0] == 0
     assert len(ShardedDataset(out)) == 3
+
+
+def test_write_images_names_its_flag_to_replace_shards(tmp_path, capsys):
+    x = tmp_path / "x.npy"
+    _npy(x)
+    out = tmp_path / "out"
+    assert _run(["shards", "write", str(x), str(out)], capsys)[0] == 0
+    code, err = _run(["shards", "write-images", str(tmp_path), str(out)], capsys)
+    assert code == 1 and err == (
+        f"kvram shards write-images: {out} exists (a kvram shard directory); pass --overwrite to replace it. "
+        f"Received: directory={str(out)!r}\n"
+    )
 
 
 def test_bad_sources_end_in_one_line(tmp_path, capsys):

@@ -80,6 +80,13 @@ def test_repeat_drop_remainder_and_field_selection(shards):
         shards.to_tf_dataset(10, fields=["z"])
 
 
+def test_writing_no_fields_says_so(tmp_path):
+    with pytest.raises(ValueError, match=r"^No fields were given: pass an array, or a dict or tuple of arrays with "
+                                         r"one entry per field. Received: \{\}$"):
+        write_shards({}, tmp_path / "out", verbose=0)
+    assert not (tmp_path / "out").exists()
+
+
 def test_write_from_an_iterator_of_batches_larger_than_a_shard(tmp_path):
     x, y, _ = arrays()
     batches = ((x[i : i + 137], y[i : i + 137]) for i in range(0, N, 137))

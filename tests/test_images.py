@@ -207,7 +207,7 @@ def test_write_images_never_replaces_the_source_or_a_users_directory(folder, tmp
     for out, held in ((source, "cat/, dog/"), (user, "thesis.tex")):
         with pytest.raises(SystemExit, match=rf"^kvram shards write-images: {out} exists and is not a kvram "
                            rf"shard directory: it holds {held} and no kvram index.json\. kvram replaces only "
-                           r"shard directories it wrote, with or without overwrite=True; nothing was written"):
+                           r"shard directories it wrote, with or without --overwrite; nothing was written"):
             cli.main(["shards", "write-images", str(source), str(out), "--overwrite"])
     assert _files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [source.name, "userdir"])

@@ -10,6 +10,7 @@ import zipfile
 import numpy as np
 
 from kvram import data
+from kvram.data._writer import check_target
 
 
 def _shards_write(args) -> int:
@@ -28,6 +29,7 @@ def _shards_write(args) -> int:
     if os.path.lexists(out) and not os.path.isdir(out):
         raise SystemExit(f"kvram shards write: OUT {out} is an existing file, not a directory; nothing was "
                          f"written. {understood}")
+    _check_out(out, args.overwrite)  # before reading the sources
     arrays = {}
     for source in sources:
         arrays.update(_read_arrays(source))
@@ -38,6 +40,14 @@ def _shards_write(args) -> int:
     )
     print(dataset)
     return 0
+
+
+def _check_out(out: str, overwrite: bool) -> None:
+    """The writer's refusal of `out` (`kvram.data` check_target), naming the command's flag."""
+    try:
+        check_target(out, overwrite, flag="--overwrite")
+    except FileExistsError as error:
+        raise SystemExit(f"kvram shards write: {error}") from None
 
 
 def _read_arrays(source: str) -> dict:
@@ -67,6 +77,7 @@ def _read_arrays(source: str) -> dict:
 
 def _shards_write_images(args) -> int:
     try:
+        check_target(args.out, args.overwrite, flag="--overwrite")
         dataset = data.write_image_shards(
             args.source, args.out, size=args.size, samples_per_shard=args.samples_per_shard,
             workers=args.workers, overwrite=args.overwrite, verbose=1,

@@ -64,6 +64,9 @@ def _batches(source, names) -> tuple[Iterable[dict], int | None]:
 
 
 def _rows(fields: dict) -> int:
+    if not fields:
+        raise ValueError("No fields were given: pass an array, or a dict or tuple of arrays with one entry "
+                         "per field. Received: {}")
     counts = {name: (a.shape[0] if a.ndim else None) for name, a in fields.items()}
     if any(c is None for c in counts.values()):
         raise ValueError(f"Every field needs a leading sample axis. Received shapes: "
@@ -159,12 +162,14 @@ def write_shards(
         return ShardedDataset(directory)
 
 
-def check_target(directory: str, overwrite: bool, while_writing: bool = False) -> None:
+def check_target(directory: str, overwrite: bool, while_writing: bool = False,
+                 flag: str = "overwrite=True") -> None:
     """Refuses to write shards to `directory` unless nothing would be lost:
     it does not exist, is an empty directory, or (with `overwrite`) is a
     kvram shard directory holding only what its index lists. Anything else
     (a file, a link, a directory of other files) is never replaced, whatever
-    `overwrite` says: the error names what is there."""
+    `overwrite` says: the error names what is there, and `flag` what the caller
+    passes to replace a shard directory (the command line's `--overwrite`)."""
     if not os.path.lexists(directory):
         return
     foreign = _not_ours(directory)
@@ -173,13 +178,13 @@ def check_target(directory: str, overwrite: bool, while_writing: bool = False) -
     if foreign is not None:
         raise FileExistsError(
             f"{directory} exists and is not a kvram shard directory: {foreign}. kvram replaces only "
-            "shard directories it wrote, with or without overwrite=True; nothing was written. "
+            f"shard directories it wrote, with or without {flag}; nothing was written. "
             f"Choose a new directory for the shards. Received: directory={directory!r}"
         )
     if not overwrite:
         first = "was written by another writer while this one wrote" if while_writing else "exists"
         raise FileExistsError(
-            f"{directory} {first} (a kvram shard directory); pass overwrite=True to replace it. "
+            f"{directory} {first} (a kvram shard directory); pass {flag} to replace it. "
             f"Received: directory={directory!r}"
         )
 
