@@ -10,6 +10,14 @@ import os as _os
 import sys as _sys
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+_keras = _sys.modules.get("keras")
+_backend = _keras.backend.backend() if _keras is not None else _os.environ["KERAS_BACKEND"]
+if _backend != "tensorflow":
+    raise ImportError(
+        f"kvram needs Keras's TensorFlow backend, and Keras's backend here is {_backend!r} "
+        f"(KERAS_BACKEND={_os.environ['KERAS_BACKEND']!r}). Set KERAS_BACKEND=tensorflow, or leave it unset, "
+        "before Keras is first imported."
+    )
 # TensorFlow keeps allocator statistics for the CPU (kvram.memory on "CPU:0": the
 # demo, planning and tests on a machine without a GPU) only with its oneDNN CPU
 # allocator, which it turns on by default only on CPUs with AVX-512 VNNI/AMX. It
