@@ -195,8 +195,40 @@ def test_short_batch_and_bad_arguments():
     with pytest.raises(ValueError, match="XLA ignores"):
         model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(tf.errors.InvalidArgumentError, match="fewer rows than micro_batches=8"):
+    with pytest.raises(ValueError, match=r"^PipelineModel\(micro_batches=8\) cuts every batch into 8 slices of at "
+                                         r"least one row, and was given 4 rows at batch_size=4, whose batch of 4 "
+                                         r"rows is fewer than 8 \(a short last batch\?\); nothing was trained\. "
+                                         r"Drop it"):
         model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), batch_size=4, verbose=0)
+    with pytest.raises(ValueError, match=r"was given 10 rows at batch_size=8, whose batch of 2 rows is fewer"):
+        model.fit(np.ones((10, 3), "float32"), np.ones((10, 2), "float32"), batch_size=8, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def _pipeline_with_batch_norm():
+    keras.utils.set_random_seed(0)
+    model = PipelineModel([keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization()]),
+                           keras.layers.Dense(3)], ["CPU:0", "CPU:1"], micro_batches=4)
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    return model
+
+
+def test_a_short_last_batch_of_a_dataset_is_refused_with_nothing_of_it_applied():
+    x, y = data(10)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # 4, 4, then 2 rows
+    short = _pipeline_with_batch_norm()
+    with pytest.raises(ValueError, match=r"^PipelineModel\(micro_batches=4\) cuts every batch into 4 slices of at "
+                                         r"least one row, and was given a batch of fewer rows \(a short last "
+                                         r"batch\?\); nothing of that batch was applied\. Drop it \(tf\.data: "
+                                         r"batch\(\.\.\., drop_remainder=True\)\)"):
+        short.fit(dataset, verbose=0)
+    whole = _pipeline_with_batch_norm()
+    whole.fit(dataset.take(2), verbose=0)
+    assert int(short.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy()) == 2
+    for a, b in zip(short.variables, whole.variables):  # weights, moving statistics, optimizer state
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for a, b in zip(short.optimizer.variables, whole.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
 def test_balance_by_memory_and_time():

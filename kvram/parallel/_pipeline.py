@@ -22,6 +22,7 @@ without XLA (`jit_compile=False`); asking for XLA is an error.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import keras
 import numpy as np
@@ -182,7 +183,15 @@ class PipelineModel(Model):
             # Build now, outside any tf.function, so each stage's variables are
             # created under its device.
             self.build(_input_shape(x))
-        return super().fit(x, *args, **kwargs)
+        batch_size = kwargs.get("batch_size", args[1] if len(args) > 1 else None)
+        _check_array_batches(x, batch_size, kwargs.get("validation_split", 0.0), self.micro_batches)
+        try:
+            return super().fit(x, *args, **kwargs)
+        except tf.errors.InvalidArgumentError as error:
+            if _SHORT_BATCH not in (error.message or ""):
+                raise
+            # the step's check (`train_step`), in one line: nothing of that batch was applied
+            raise ValueError(_short_batch_message(self.micro_batches, "a batch of fewer rows")) from None
 
     def make_train_function(self, force=False):
         # kvram.Model refuses an overridden train_step only for its own slicing.
@@ -209,9 +218,13 @@ class PipelineModel(Model):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         rows = tf.shape(tree.flatten(x)[0])[0]
         m = self.micro_batches
-        tf.debugging.assert_greater_equal(
-            rows, m, message=f"PipelineModel: a batch has fewer rows than micro_batches={m}"
-        )
+        # Every slice needs a row. Checked before anything of the batch runs: its
+        # inputs wait for the check, so a short batch changes no weight, statistic
+        # or metric (fit() says so in one line: `_short_batch_message`).
+        check = tf.debugging.assert_greater_equal(rows, m, message=_SHORT_BATCH)
+        with tf.control_dependencies([check]):
+            x, y, sample_weight = tree.map_structure(
+                lambda t: None if t is None else tf.identity(t), (x, y, sample_weight), none_is_leaf=True)
         base, extra = rows // m, rows % m
         sizes = [base + tf.cast(i < extra, rows.dtype) for i in range(m)]
         starts = [tf.add_n(sizes[:i]) if i else tf.constant(0, rows.dtype) for i in range(m)]
@@ -333,6 +346,37 @@ class PipelineModel(Model):
                 stages.append(keras.saving.deserialize_keras_object(stage))
         config["stages"] = stages
         return cls(**config)
+
+
+# What a PipelineModel step's check of its batch says (`train_step`), found again by fit().
+_SHORT_BATCH = "kvram PipelineModel: a batch has fewer rows than micro_batches"
+
+
+def _short_batch_message(m: int, batch: str, kept: str = "nothing of that batch was applied") -> str:
+    return (
+        f"PipelineModel(micro_batches={m}) cuts every batch into {m} slices of at least one row, and was "
+        f"given {batch} (a short last batch?); {kept}. Drop it (tf.data: "
+        f"batch(..., drop_remainder=True)), choose a batch size that leaves at least {m} rows in the last "
+        "batch, or pass fewer micro_batches."
+    )
+
+
+def _check_array_batches(x, batch_size, validation_split, m: int) -> None:
+    """Refuses, before training, arrays whose batches (the last included) have
+    fewer than `m` rows; other data is checked by the step itself."""
+    if x is None or isinstance(x, tf.data.Dataset) or not all(
+        isinstance(t, (np.ndarray, tf.Tensor)) for t in tree.flatten(x)
+    ):
+        return
+    rows = int(np.shape(tree.flatten(x)[0])[0])
+    if validation_split:  # Keras's split: the first rows train
+        rows = int(math.floor(rows * (1.0 - validation_split)))
+    batch_size = batch_size or 32  # Keras's default for arrays
+    sizes = {min(batch_size, rows), rows % batch_size} - {0}
+    short = min(sizes) if sizes else 0
+    if 0 < short < m:
+        raise ValueError(_short_batch_message(m, f"{rows} rows at batch_size={batch_size}, whose batch of "
+                                                 f"{short} rows is fewer than {m}", "nothing was trained"))
 
 
 def _cut(t, start, size):
