@@ -7,9 +7,10 @@ before absl's logging starts ("WARNING: All log messages before absl::Initialize
 called are written to STDERR") and so ignore TF_CPP_MIN_LOG_LEVEL (absl writes every message
 logged before its initialisation, whatever its level: https://github.com/abseil/abseil-cpp/pull/1957,
 https://github.com/tensorflow/tensorflow/pull/102212). For the `kvram` command only (not a
-program that imports kvram), the import runs with file descriptor 2 pointed at /dev/null and
-TF_CPP_MIN_LOG_LEVEL defaults to 3; `--verbose` anywhere on the command line, or a
-TF_CPP_MIN_LOG_LEVEL the user set, leaves both as they are.
+program that imports kvram), child processes included (`kvram plan`'s), the import runs with
+file descriptor 2 pointed at /dev/null and TF_CPP_MIN_LOG_LEVEL defaults to 3 (a level the user
+set is kept: it still governs what TensorFlow logs later); `--verbose` anywhere on the command
+line leaves both as they are.
 """
 
 from __future__ import annotations
@@ -32,20 +33,17 @@ def launched_as_command(argv: list[str] | None = None) -> bool:
     return first in ("kvram", "kvram.exe", "-m") or argv[0].endswith(os.path.join("kvram", "__main__.py"))
 
 
-def wanted(argv: list[str] | None = None, environ=None) -> bool:
-    """Whether to quiet TensorFlow's start-up: the `kvram` command, without `--verbose`,
-    with TF_CPP_MIN_LOG_LEVEL not set by the user, before TensorFlow is imported."""
+def wanted(argv: list[str] | None = None) -> bool:
+    """Whether to quiet TensorFlow's start-up: the `kvram` command (its child processes
+    too), without `--verbose`, before TensorFlow is imported."""
     argv = sys.argv if argv is None else argv
-    environ = os.environ if environ is None else environ
-    # A level set by a quieted `kvram` (QUIETED) is not the user's: its child processes
-    # (kvram plan's) are quieted too.
-    user_level = "TF_CPP_MIN_LOG_LEVEL" in environ and environ.get(QUIETED) != "1"
-    return (
-        launched_as_command(argv)
-        and VERBOSE_FLAG not in argv[1:]
-        and not user_level
-        and "tensorflow" not in sys.modules
-    )
+    return launched_as_command(argv) and VERBOSE_FLAG not in argv[1:] and "tensorflow" not in sys.modules
+
+
+def _users_level(environ) -> bool:
+    """Whether TF_CPP_MIN_LOG_LEVEL is the user's: a level a quieted `kvram` set (QUIETED)
+    is not, and its child processes (kvram plan's) inherit it."""
+    return "TF_CPP_MIN_LOG_LEVEL" in environ and environ.get(QUIETED) != "1"
 
 
 @contextlib.contextmanager
@@ -75,8 +73,9 @@ def import_tensorflow_quietly() -> None:
     """Imports TensorFlow (and Keras) with its start-up lines silenced, when `wanted()`."""
     if not wanted():
         return
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    os.environ[QUIETED] = "1"
+    if not _users_level(os.environ):
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+        os.environ[QUIETED] = "1"
     with stderr_silenced():
         import keras  # noqa: F401
         import tensorflow as tf

@@ -238,6 +238,22 @@ def test_the_command_prints_no_tensorflow_log_lines_unless_verbose(tmp_path):
 
 
 @pytest.mark.slow
+def test_plan_and_its_children_print_no_tensorflow_or_absl_line(tmp_path):
+    """`kvram plan`'s estimate in child processes, with the user's TF_CPP_MIN_LOG_LEVEL=2
+    (absl writes what TensorFlow logs before absl starts whatever the level)."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(sys.executable), "kvram")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run([script, "plan", "--model", "ResNet50", "--input-shape", "224,224,3", "--batch-size", "8",
+                           "--gpu-memory", "2GB", "--isolate", "always"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert done.returncode == 0 and "<- recommended" in done.stdout, done.stderr[-3000:]
+    lines = (done.stdout + done.stderr).splitlines()
+    assert [line for line in lines if line.startswith(("WARNING: All log messages", "I0000", "W0000", "E0000"))] == []
+
+
+@pytest.mark.slow
 def test_plan_waits_on_its_child_without_importing_tensorflow():
     """`kvram plan`'s own process, which only waits on the estimate's child,
     imports no TensorFlow (kvram/_plan_process.py): -X importtime lists the
@@ -286,17 +302,19 @@ def test_quieting_is_for_the_command_alone():
     assert _quiet.launched_as_command(["-m", "info"])  # python -m kvram, while Python finds kvram
     assert not _quiet.launched_as_command(["train.py"]) and not _quiet.launched_as_command([])
     assert "tensorflow" in sys.modules  # here it is: nothing is left to quiet
-    assert not _quiet.wanted(["/venv/bin/kvram", "info"], bare)
+    assert not _quiet.wanted(["/venv/bin/kvram", "info"])
     real = sys.modules.pop("tensorflow")  # as before TensorFlow's import
     try:
-        assert _quiet.wanted(["/venv/bin/kvram", "info"], bare)
-        assert not _quiet.wanted(["/venv/bin/kvram", "info", "--verbose"], bare)
-        assert not _quiet.wanted(["/venv/bin/kvram", "info"], {"TF_CPP_MIN_LOG_LEVEL": "0"})
-        # kvram plan's child: the level its quieted parent set is not the user's
-        assert _quiet.wanted(["-m", "plan"], {"TF_CPP_MIN_LOG_LEVEL": "3", _quiet.QUIETED: "1"})
-        assert not _quiet.wanted(["python", "train.py"], bare)
+        assert _quiet.wanted(["/venv/bin/kvram", "info"])
+        assert _quiet.wanted(["-m", "plan"])  # kvram plan's child
+        assert not _quiet.wanted(["/venv/bin/kvram", "info", "--verbose"])
+        assert not _quiet.wanted(["python", "train.py"])
     finally:
         sys.modules["tensorflow"] = real
+    # a level the user set is kept (it governs what TensorFlow logs later); one a quieted parent set is not
+    assert _quiet._users_level({"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert not _quiet._users_level({"TF_CPP_MIN_LOG_LEVEL": "3", _quiet.QUIETED: "1"})
+    assert not _quiet._users_level(bare)
 
 
 def test_stderr_silenced_puts_the_descriptor_back(capfd):
