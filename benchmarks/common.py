@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmarks: timing a Keras fit, running each
-configuration in its own process, and describing the machine."""
+"""Helpers shared by the benchmarks: timing a Keras fit and a PyTorch step, running each
+configuration in its own process, and the result file every suite writes (`training_main`)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,11 @@ def add_xla_flags(settings: dict) -> None:
 
 
 def set_kvram_switches(settings: dict) -> None:
-    """Sets, before `import kvram`, which of its defaults a configuration takes:
-    host memory pinned on a GPU only where it pins (`pin`) or is the README's usage
-    (`default`); kvram's XLA flags (kvram/_xla_flags.py) only for `default`, the
-    others keeping their own `xla_flags` alone."""
-    os.environ["KVRAM_PIN_HOST_MEMORY"] = "1" if settings.get("pin") or settings.get("default") else "0"
-    os.environ["KVRAM_XLA_FLAGS"] = "1" if settings.get("default") else "0"
+    """Sets, before `import kvram`, whether a configuration takes what `import kvram`
+    does by default (host memory pinned on a GPU, its XLA flags: docs/environment.md):
+    kvram's configurations do, plain Keras's (`plain=True`) do not."""
+    value = "0" if settings.get("plain") else "1"
+    os.environ["KVRAM_PIN_HOST_MEMORY"] = os.environ["KVRAM_XLA_FLAGS"] = value
 
 
 def gpu_name() -> str:
@@ -43,7 +42,7 @@ def gpu_name() -> str:
 
 def versions() -> dict:
     found = {"python": platform.python_version()}
-    for name in ("tensorflow", "keras", "torch", "torchvision"):
+    for name in ("tensorflow", "keras", "keras_hub", "torch", "torchvision", "transformers"):
         module = sys.modules.get(name)
         if module is not None:
             found[name] = module.__version__
@@ -58,9 +57,8 @@ def torch_environment(environ=None) -> dict:
     bundles its own cuDNN and finds it through its libraries' RUNPATH, which
     `LD_LIBRARY_PATH` comes before: with TensorFlow's staging on the GPU machine
     (../shared/gpu/tf-on-gpu.sh puts the image's cuDNN 9.14 first) PyTorch
-    2.11 loaded 9.14 instead of its 9.19, `torch.backends.cudnn.version()`
-    raised, and its attention ran FlashAttention-2 instead of cuDNN's
-    (benchmarks/results/profile_vit_pair_h200.json, torch_cudnn_env_h200.json)."""
+    2.11 loaded 9.14 instead of its 9.19, and its attention ran
+    FlashAttention-2 instead of cuDNN's."""
     import glob
 
     environ = dict(os.environ if environ is None else environ)
@@ -69,44 +67,22 @@ def torch_environment(environ=None) -> dict:
     return environ
 
 
-def write_record(path: str, record: dict) -> None:
-    """Writes `record` as JSON to `path`, followed by what a result records of
-    its run beside its numbers: the command (the script relative to the
-    repository), the versions of Python and of the frameworks loaded
-    (`versions`), the CPU count and the date."""
-    record = {**record, "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]), **versions(),
-              "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
-    with open(path, "w") as handle:
-        json.dump(record, handle, indent=1)
+def commit() -> str | None:
+    """The commit measured: KVRAM_COMMIT where the caller sets it (the GPU machine's
+    copy of the checkout has no git history), else git's HEAD here."""
+    if os.environ.get("KVRAM_COMMIT"):
+        return os.environ["KVRAM_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
 
 
 def whole_executions(steps: int, steps_per_execution: int) -> int:
     """`steps` rounded up to a multiple of `steps_per_execution` (Keras runs
     that many steps per call of its compiled function)."""
     return -(-steps // steps_per_execution) * steps_per_execution
-
-
-def track_gpu_frees(interval: int = 1) -> None:
-    """Turns on TensorFlow's timestamped GPU allocator (`GPUOptions.Experimental.
-    timestamped_allocator`, with a kernel-tracking event every `interval` GPU
-    kernels, without which it does nothing). Call before TensorFlow's first
-    operation.
-
-    By default TensorFlow copies a tensor to the GPU only after every kernel
-    queued on the compute stream so far (`SameWorkerRecvDone`'s
-    `sync_dst_compute`: the copy's fresh buffer may be memory those kernels
-    still read). A batch prefetched to the GPU therefore waits for the steps
-    queued ahead of it, and the step that needs it waits for its copy. With
-    the timestamped allocator such a buffer is only memory known to be free, and
-    the copy does not wait (tensorflow/core/common_runtime/rendezvous_mgr.cc).
-    """
-    from kvram.speed import _configure_runtime
-
-    def track(config):
-        config.gpu_options.experimental.timestamped_allocator = True
-        config.gpu_options.experimental.kernel_tracker_max_interval = interval
-
-    _configure_runtime(track, "track_gpu_frees() must run before TensorFlow's first operation")
 
 
 def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
@@ -137,6 +113,7 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
         spe = _execution.steps_for(model, [Clock()], "train")
     steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
     model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0, callbacks=[Clock()])
+
     def peak_gib(device):
         try:
             return tf.config.experimental.get_memory_info(device)["peak"] / 2**30
@@ -155,49 +132,6 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     }
 
 
-def timed_resident_steps(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
-    """`timed_fit`'s measurement with the batch kept on the device, as the PyTorch
-    configurations keep theirs: no copy from the host a step. After a warm-up
-    `fit` of `warmup` steps on `data` (which builds and compiles the model as
-    training does), its first batch is copied to `devices[0]` once and
-    `model.train_step` runs on it, XLA-compiled as `fit`'s step is,
-    `steps_per_execution` steps a call of a `tf.function` loop: the step itself
-    without `fit`'s data path, loop and callbacks.
-
-    Returns the same keys as `timed_fit`."""
-    import tensorflow as tf
-
-    spe = int(model.steps_per_execution or 1)
-    steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
-    model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0)  # builds and compiles as training does
-    with tf.device(devices[0]):
-        batch = tf.nest.map_structure(tf.identity, next(iter(data)))
-    step = tf.function(model.train_step, jit_compile=bool(model.jit_compile))
-
-    @tf.function
-    def execution():
-        logs = step(batch)
-        for _ in tf.range(spe - 1):
-            logs = step(batch)
-        return logs
-
-    for _ in range(warmup // spe):
-        float(execution()["loss"])
-    for device in devices:
-        tf.config.experimental.reset_memory_stats(device)
-    start = time.perf_counter()
-    for _ in range(steps // spe):
-        logs = execution()
-    loss = float(logs["loss"])  # waits for the last step
-    seconds = time.perf_counter() - start
-    return {
-        "steps": steps,
-        "seconds": seconds,
-        "loss": loss,
-        "peak_gib": {d: tf.config.experimental.get_memory_info(d)["peak"] / 2**30 for d in devices},
-    }
-
-
 def timed_torch_steps(step, steps: int, warmup: int) -> dict:
     """Runs `step()` (returns the loss tensor) `warmup` times, then `steps` timed
     times; returns seconds, the last loss, PyTorch's peak allocated GiB, and
@@ -205,23 +139,26 @@ def timed_torch_steps(step, steps: int, warmup: int) -> dict:
     there; it is not in the timed steps)."""
     import torch
 
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     start = time.perf_counter()
     step()
-    torch.cuda.synchronize()
+    sync()
     first = time.perf_counter() - start
     for _ in range(warmup - 1):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(steps):
         loss = step()
     final = float(loss)
-    torch.cuda.synchronize()
+    sync()
     return {
         "seconds": time.perf_counter() - start,
         "loss": final,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "first_step_s": first,
     }
 
@@ -256,7 +193,6 @@ def run_children(script: str, names, args, describe, timeout=None, environment=N
         r = results[name]
         text = f"FAILED: {r['error'][-400:]}" if "error" in r else describe(r)
         print(f"{name:26} {text}  ({r['wall_s']:.0f} s)", flush=True)
-        print(f"  {name} RESULT {json.dumps(r)}", flush=True)  # kept in logs if a later one stalls
     return results
 
 
@@ -264,55 +200,83 @@ def child_result(result: dict) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def _gib(value) -> str:
-    """A peak in GiB for a summary line; "n/a" where the device keeps no allocator statistics."""
+def _peak(value) -> str:
+    """A peak in GiB for a progress line; "n/a" where the device keeps no allocator statistics."""
     return "   n/a" if value is None else f"{value:6.2f}"
 
 
-def training_main(doc: str, script: str, benchmark: str, configs: dict, runners: dict, defaults: dict):
-    """The command line shared by the image-training benchmarks: each
-    configuration `name: (framework, settings)` runs in its own process through
-    `runners[framework](settings, batch, steps, warmup, device)`."""
+def training_main(doc: str, script: str, benchmark: str, configs: dict, runners: dict, defaults: dict,
+                  rate: str = "img_per_s", extra_arguments=None, describe_run=None):
+    """The command line every training suite shares, and the result file it writes.
+
+    `configs`: {name: (framework, label, settings)}; each configuration runs in its
+    own process through `runners[framework](settings, args)`, which returns its
+    measurement (`rate`, the throughput's key: "img_per_s", "tokens_per_s"; and
+    `peak_gib`). `extra_arguments(parser)` adds a suite's own options;
+    `describe_run(args)` adds keys that say what was run (its shape) to the file.
+
+    The file (`--out`): the benchmark, the date, the commit, the GPU, the command,
+    the batch, the steps, and per configuration its label, framework, settings,
+    versions and measurement: the data the tables of README.md and
+    docs/benchmarks.md are rendered from (`python -m benchmarks.report`)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    parser.add_argument("--only", choices=sorted(configs), action="append")
-    parser.add_argument("--batch", type=int, default=defaults.get("batch", 256))
-    parser.add_argument("--steps", type=int, default=defaults.get("steps", 20))
-    parser.add_argument("--warmup", type=int, default=defaults.get("warmup", 5))
-    parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0 for a smoke test)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--only", choices=sorted(configs), action="append",
+                        help="one configuration (again for more; default: all)")
+    parser.add_argument("--batch", type=int, default=defaults["batch"])
+    parser.add_argument("--steps", type=int, default=defaults["steps"])
+    parser.add_argument("--warmup", type=int, default=defaults["warmup"])
+    parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0 for a smoke run)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per configuration")
+    parser.add_argument("--out", default=None, help="the result file (JSON)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    if extra_arguments:
+        extra_arguments(parser)
     args = parser.parse_args()
     if args.child:
-        framework, settings = configs[args.child]
-        child_result(runners[framework](settings, args.batch, args.steps, args.warmup, args.device))
+        framework, label, settings = configs[args.child]
+        child_result({"label": label, "framework": framework, "settings": settings, "versions": versions(),
+                      **runners[framework](settings, args)})
         return
+    forwarded = _without_values(sys.argv[1:], ("--out", "--only"))
     results = run_children(
-        script, args.only or list(configs),
-        ["--batch", args.batch, "--steps", args.steps, "--warmup", args.warmup, "--device", args.device],
-        lambda r: f"{r['img_per_s']:8.0f} img/s  {_gib(r['peak_gib'])} GiB  loss {r['final_loss']:.3f}",
+        script, args.only or list(configs), forwarded,
+        lambda r: f"{r[rate]:9.0f} {rate.removesuffix('_per_s')}/s  {_peak(r['peak_gib'])} GiB  "
+                  f"loss {r['final_loss']:.3f}",
+        timeout=args.timeout,
         environment=lambda name: torch_environment() if configs[name][0] == "torch" else None,
     )
     report = {
         "benchmark": benchmark,
-        "gpu": gpu_name(),
-        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
+        "gpu": gpu_name() if args.device.startswith("GPU") else f"none ({args.device}, a smoke run)",
+        "command": "python " + " ".join([os.path.relpath(script, ROOT), *sys.argv[1:]]),
+        "rate": rate,
         "batch": args.batch,
         "steps": args.steps,
         "warmup": args.warmup,
-        "command": "python " + " ".join(sys.argv),
+        **(describe_run(args) if describe_run else {}),
         "results": results,
     }
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(report, f, indent=1)
+    return report
 
 
-def use_keras_loop(model) -> None:
-    """`model` (a kvram.Model) runs Keras's own multi-step loop, whose condition
-    sits on the GPU, instead of kvram's loop on the host: the A/B of
-    `kvram.training._execution.multi_step_function`."""
-    import keras
-
-    model._make_function = lambda step_function: keras.Model._make_function(model, step_function)
+def _without_values(argv, names) -> list:
+    """`argv` without the options `names` and their values (`--out x`, `--out=x`)."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        if item in names:
+            skip = True
+            continue
+        if any(item.startswith(f"{name}=") for name in names):
+            continue
+        kept.append(item)
+    return kept

@@ -12,26 +12,15 @@ traced back to the Keras layer it came from: for ViT-B and the decoder the top
 kernels carry their HLO instruction's result shape, opcode and TensorFlow op
 name (`hlo_shape`, `hlo_opcode`, `tf_op`).
 
-    python benchmarks/profile/step.py --out profile.json                 # all configs
-    python benchmarks/profile/step.py --only tf_fp16_xla --only torch_fp16
-    python benchmarks/profile/step.py --raw-dir raw/   # also keep kernels + HLO per config
-    python benchmarks/profile/step.py --model vit --only torch_fp16_compile --only kvram_nockpt_pin_spe16
+    python benchmarks/profile/step.py --model resnet50 --only torch_fp16_compile --only kvram_fast
+    python benchmarks/profile/step.py --model vit --only kvram_fast --raw-dir raw/  # keep kernels + HLO too
     python benchmarks/profile/step.py --model decoder --batch 8 --only keras_bf16
 
-Configurations (`CONFIGS`): Keras `applications.ResNet50(weights=None)` under
-mixed_float16 / mixed_bfloat16, with and without XLA, and variants that each
-change one thing (fused batch norm, steps_per_execution, XLA flags, data
-prefetched to the GPU); torchvision resnet50 with fp16 autocast, channels_last.
-Data: one synthetic batch of 224x224 images, SGD(0.01, momentum 0.9), as in
-`benchmarks/resnet50/bench.py`.
-
-`--model vit`: the configurations of `benchmarks/vit/bench.py` (its model, data
-and PyTorch step), and each kernel's time also by part of the transformer
-(`kernels.by_part`: attention, LayerNorm, MLP, optimizer, ..., GEMM or not), for
-XLA kernels from their HLO instruction's op name (the step's HLO is always
-dumped for this). `--model decoder`: the same for the configurations of
-`benchmarks/decoder/bench.py` (GPT-2-medium-shaped, `--batch 8 --sequence 1024`
-as there; `img_per_s` is then rows/s, and `tokens_per_s` is reported too).
+Configurations: those of the model's suite (`benchmarks/<model>/bench.py`: its models, data and
+PyTorch steps). For the transformers (`--model vit`, `--model decoder`) each kernel's time is also
+given by part of the transformer (`kernels.by_part`: attention, LayerNorm, MLP, optimizer, ...,
+GEMM or not), for XLA kernels from their HLO instruction's op name (the step's HLO is always
+dumped for them); for the decoder `img_per_s` is rows/s and `tokens_per_s` is reported too.
 """
 
 from __future__ import annotations
@@ -52,72 +41,6 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 from benchmarks.common import gpu_name, timed_fit, timed_torch_steps, torch_environment, whole_executions  # noqa: E402
-from benchmarks.resnet50.bench import build_tf, torch_step  # noqa: E402
-
-# name: (framework, settings). Settings: policy, jit, and one change each:
-# fused_bn (kvram.speed.fuse_batch_norm), spe (steps_per_execution), xla_flags
-# (appended to XLA_FLAGS), env (environment variables), prefetch (data through
-# tf.data prefetch_to_device), model ("keras" or "kvram": models/resnet50.py).
-CONFIGS = {
-    "tf_fp16_xla": ("tf", dict(policy="mixed_float16", jit=True)),
-    "tf_bf16_xla": ("tf", dict(policy="mixed_bfloat16", jit=True)),
-    "tf_fp16": ("tf", dict(policy="mixed_float16", jit=False)),
-    "tf_bf16": ("tf", dict(policy="mixed_bfloat16", jit=False)),
-    "torch_fp16": ("torch", dict()),
-    # one change each, against tf_*_xla / tf_* above
-    "tf_fp16_xla_fusedbn": ("tf", dict(policy="mixed_float16", jit=True, fused_bn=True)),
-    "tf_bf16_xla_fusedbn": ("tf", dict(policy="mixed_bfloat16", jit=True, fused_bn=True)),
-    "tf_fp16_fusedbn": ("tf", dict(policy="mixed_float16", jit=False, fused_bn=True)),
-    "tf_fp16_fusedbn_persistent": (
-        "tf", dict(policy="mixed_float16", jit=False, fused_bn=True,
-                   env={"TF_USE_CUDNN_BATCHNORM_SPATIAL_PERSISTENT": "1"}),
-    ),
-    "tf_fp16_xla_spe16": ("tf", dict(policy="mixed_float16", jit=True, spe=16)),
-    "tf_fp16_xla_prefetch": ("tf", dict(policy="mixed_float16", jit=True, prefetch=True)),
-    "tf_fp16_xla_cmdbuf_off": (
-        "tf", dict(policy="mixed_float16", jit=True, xla_flags="--xla_gpu_enable_command_buffer=")
-    ),
-    # kvram as the ResNet50 benchmark runs it: models/resnet50.py (a kvram.Model,
-    # batches prefetched to the GPU), no checkpointing, steps_per_execution=16
-    "kvram_fp16_xla_spe16": (
-        "tf", dict(policy="mixed_float16", jit=True, model="kvram", spe=16)
-    ),
-    # micro-batching (issue 11 item 4): models/resnet50.py as a kvram.Model without
-    # checkpointing, bf16, XLA, batches of 512 rows, whole vs 4 slices of 128
-    "micro_none_b512": ("tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512)),
-    "micro_128_b512": (
-        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128)
-    ),
-    "micro_128_b512_slices_only_xla": (
-        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128,
-                   xla_micro_step=False)
-    ),
-    # the same with each replica's step compiled inside strategy.run (as under
-    # MirroredStrategy over several local GPUs) instead of one XLA step around it
-    "micro_128_b512_per_replica": (
-        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128,
-                   xla_per_replica=True)
-    ),
-    # kvram.speed.pin_host_memory() (pin): the same runs with page-locked host batches
-    "kvram_fp16_xla_spe16_pin": (
-        "tf", dict(policy="mixed_float16", jit=True, model="kvram", spe=16, pin=True)
-    ),
-    "micro_none_b512_pin": (
-        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, pin=True)
-    ),
-    "micro_128_b512_pin": (
-        "tf", dict(policy="mixed_bfloat16", jit=True, model="kvram", batch=512, micro=128, pin=True)
-    ),
-    # PyTorch's cost for the same slicing: bf16 autocast, batches of 512, whole vs
-    # gradients accumulated over 4 slices of 128 (one optimizer step)
-    "torch_bf16_b512": ("torch", dict(dtype="bfloat16", batch=512)),
-    "torch_bf16_b512_micro128": ("torch", dict(dtype="bfloat16", batch=512, micro=128)),
-    "tf_fp16_xla_lhs": (
-        "tf", dict(policy="mixed_float16", jit=True,
-                   xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true")
-    ),
-}
-
 
 # the transformer models: each kernel's time also by part (`kernels.by_part`),
 # from the op names of the step's HLO, which is always dumped for them
@@ -129,15 +52,11 @@ def _xla_dump_dir(raw_dir, name):
 
 
 def _configs(model):
-    if model == "vit":
-        from benchmarks.vit.bench import CONFIGS as VIT_CONFIGS
+    """{name: (framework, settings)}: the configurations of the model's suite."""
+    import importlib
 
-        return VIT_CONFIGS
-    if model == "decoder":
-        from benchmarks.decoder.bench import CONFIGS as DECODER_CONFIGS
-
-        return {name: ("tf", settings) for name, settings in DECODER_CONFIGS.items()}
-    return CONFIGS
+    suite = importlib.import_module(f"benchmarks.{model}.bench")
+    return {name: (framework, settings) for name, (framework, _, settings) in suite.CONFIGS.items()}
 
 
 def run_tf(name, settings, args):
@@ -148,7 +67,7 @@ def run_tf(name, settings, args):
         read_xspace, xspace_host_events, xspace_kernels,
     )
 
-    batch, device = settings.get("batch", args.batch), args.device
+    batch, device = args.batch, args.device
     if args.model == "vit":
         from benchmarks.vit.bench import build_tf as build_vit
 
@@ -156,22 +75,14 @@ def run_tf(name, settings, args):
     elif args.model == "decoder":
         from benchmarks.decoder.bench import build as build_decoder
 
-        model, data, _ = build_decoder(settings, batch, args.sequence, args.budget_gib)
+        model, data = build_decoder(settings, args)
     else:
-        # the ResNet50 benchmark's model and data; here the model defaults to Keras's,
-        # and models/resnet50.py to no checkpointing
-        model, data = build_tf({"model": "keras", "ckpt": False, **settings}, batch, device, args.image_size)
-    fused = sum(type(layer).__name__ == "FusedBatchNormalization" for layer in model._flatten_layers())
-    if settings.get("micro"):
-        model.micro_batch_size = settings["micro"]
-        model._kvram_xla_micro_step = settings.get("xla_micro_step", True)
-        model._kvram_xla_per_replica = settings.get("xla_per_replica")
-    if settings.get("prefetch"):
-        data = data.apply(tf.data.experimental.prefetch_to_device("/" + device, buffer_size=2))
+        from benchmarks.resnet50.bench import build_tf
+
+        model, data = build_tf(settings, batch, device, args.image_size)
     timed = timed_fit(model, data, args.steps, args.warmup, [device])
     result = {
         "settings": settings,
-        "batch_norm_layers_fused": fused,
         "img_per_s": batch * timed["steps"] / timed["seconds"],
         "step_ms": timed["seconds"] / timed["steps"] * 1e3,
         "peak_gib": timed["peak_gib"][device],
@@ -180,7 +91,7 @@ def run_tf(name, settings, args):
     if args.model == "decoder":
         result["tokens_per_s"] = result["img_per_s"] * args.sequence
     logdir = tempfile.mkdtemp(prefix=f"tfprof_{name}_")
-    profile_steps = whole_executions(args.profile_steps, settings.get("spe", 1))
+    profile_steps = whole_executions(args.profile_steps, int(model.steps_per_execution or 1))
     try:
         tf.profiler.experimental.start(logdir)
         model.fit(data, steps_per_epoch=profile_steps, epochs=1, verbose=0)
@@ -214,13 +125,19 @@ def run_torch(name, settings, args):
 
     from kernels import breakdown, by_part, chrome_trace_kernels
 
-    batch = settings.get("batch", args.batch)
+    batch = args.batch
     if args.model == "vit":
         from benchmarks.vit.bench import torch_step as vit_step
 
         step, _ = vit_step(settings, batch)
+    elif args.model == "decoder":
+        from benchmarks.decoder.bench import torch_step as decoder_step
+
+        step, _ = decoder_step(settings, args)
     else:
-        step = torch_step({"segments": 0, **settings}, batch)  # the ResNet50 benchmark's step
+        from benchmarks.resnet50.bench import torch_step
+
+        step = torch_step(settings, batch)
     timed = timed_torch_steps(step, args.steps, args.warmup)
     result = {
         "settings": settings,
@@ -263,7 +180,7 @@ def _keep_raw(raw_dir, name, kernels):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("resnet50", "vit", "decoder"), default="resnet50")
+    parser.add_argument("--model", choices=("resnet50", "vit", "decoder"), required=True)
     parser.add_argument("--only", action="append", help="a configuration (default: all of the model's)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
@@ -272,8 +189,7 @@ def main():
     parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0: smoke test)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--sequence", type=int, default=1024, help="--model decoder: tokens per row")
-    parser.add_argument("--budget-gib", type=float, default=0.0,
-                        help="--model decoder: the kvram_plan* configurations' budget (as in its bench.py)")
+    parser.add_argument("--layers", type=int, default=24, help="--model decoder: decoder blocks")
     parser.add_argument("--raw-dir", default=None, help="keep kernel records and HLO here")
     parser.add_argument("--host", action="store_true",
                         help="TF: also say what the host was doing while the GPU sat idle (host_during_gaps)")
@@ -295,14 +211,14 @@ def main():
         framework, settings = configs[name]
         env = dict(torch_environment() if framework == "torch" else os.environ, **settings.get("env", {}))
         flags = [env.get("XLA_FLAGS", ""), settings.get("xla_flags", "")]
-        if framework == "tf" and (args.model in _BY_PART or settings.get("jit") and args.raw_dir):
+        if framework == "tf" and (args.model in _BY_PART or args.raw_dir):
             flags += [f"--xla_dump_to={_xla_dump_dir(args.raw_dir, name)}", "--xla_dump_hlo_as_text"]
         env["XLA_FLAGS"] = " ".join(f for f in flags if f)
         command = [sys.executable, __file__, "--child", name, "--model", args.model, "--batch", str(args.batch),
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--profile-steps", str(args.profile_steps), "--device", args.device,
                    "--image-size", str(args.image_size), "--sequence", str(args.sequence),
-                   "--budget-gib", str(args.budget_gib)]
+                   "--layers", str(args.layers)]
         if args.raw_dir:
             command += ["--raw-dir", args.raw_dir]
         if args.host:

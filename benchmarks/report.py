@@ -1,0 +1,173 @@
+"""Writes the tables of docs/benchmarks.md and README.md's headline table from the
+committed results (benchmarks/results/<suite>_<gpu>.json), and the memory-against-speed
+picture beside them. A number in the docs is the number in a result file:
+tests/test_report.py renders both pages and fails where the committed ones differ.
+
+    python -m benchmarks.report            # write docs/benchmarks.md, README.md's table, the picture
+    python -m benchmarks.report --check    # exit 1 where a committed page differs from its rendering
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+README = os.path.join(ROOT, "README.md")
+PICTURE = os.path.join(ROOT, "docs", "img", "memory_vs_speed.png")
+# README.md's generated part lies between these lines
+BEGIN, END = "<!-- benchmarks.report: begin -->", "<!-- benchmarks.report: end -->"
+
+# The suites of the headline table: (title, result file, PyTorch's torch.compile configuration,
+# {role in README's table: configuration})
+SUITES = (
+    ("ResNet50, batch 256", "resnet50_h200.json", "torch_fp16_compile",
+     {"plain": "keras_fp16", "fastest": "kvram_fast", "leanest": "kvram_lean"}),
+    ("ViT-B/16, batch 256", "vit_h200.json", "torch_fp16_compile",
+     {"plain": "keras_bf16", "fastest": "kvram_fast", "leanest": "kvram_lean"}),
+    ("GPT-2-medium-shaped decoder, 8 x 1024 tokens", "decoder_h200.json", "torch_compile",
+     {"plain": "keras_bf16", "fastest": "kvram_fast", "leanest": "kvram_lean"}),
+)
+_UNITS = {"img_per_s": "img/s", "tokens_per_s": "tokens/s"}
+
+
+def load(name: str) -> dict:
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def _ratio(value, peer) -> str:
+    return f"{value / peer:.2f}x" if value is not None and peer else "-"
+
+
+def _source(result: dict, name: str, link: str) -> str:
+    gpu = result["gpu"].split(",")[0].removeprefix("NVIDIA ")
+    commit = (result.get("commit") or "?")[:7]
+    return f"{gpu}, {result['date']}, commit {commit}, [`{name}`]({link}{name})"
+
+
+def suite_table(title: str, name: str, peer: str, link: str = "../benchmarks/results/") -> list[str]:
+    """The lines of one suite's table: every configuration of its result."""
+    result = load(name)
+    rate, runs = result["rate"], result["results"]
+    peer_run = runs.get(peer, {})
+    mfu = any("mfu" in run for run in runs.values())
+    lines = [f"### {title}", "", f"Measured on {_source(result, name, link)}, `{result['command']}`"
+             f" ({result['steps']} timed steps after {result['warmup']}).", "",
+             f"| configuration | {_UNITS[rate]} | peak GiB | speed vs `torch.compile` | memory vs `torch.compile` |"
+             + (" MFU |" if mfu else ""),
+             "|---|---:|---:|---:|---:|" + ("---:|" if mfu else "")]
+    for config, run in runs.items():
+        if "error" in run:
+            lines.append(f"| `{config}` | failed | | | |" + (" |" if mfu else ""))
+            continue
+        cells = [f"{run['label']} (`{config}`)", f"{run[rate]:,.0f}", f"{run['peak_gib']:.2f}",
+                 _ratio(run[rate], peer_run.get(rate)), _ratio(run["peak_gib"], peer_run.get("peak_gib"))]
+        if mfu:
+            cells.append(f"{100 * run['mfu']:.1f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def page() -> str:
+    """docs/benchmarks.md."""
+    lines = [
+        "# Benchmarks",
+        "",
+        "Each table is one run of one suite on one GPU: every configuration in its own process, PyTorch in the",
+        "same run. Throughput is over the timed steps after warm-up (compilation excluded); the peak is the",
+        "framework allocator's during them (weights, gradients and optimizer state included). This page is",
+        "written by `python -m benchmarks.report` from the result files; each suite's folder under",
+        "`benchmarks/` says how to run it.",
+        "",
+        "![Peak memory against speed, each relative to torch.compile](img/memory_vs_speed.png)",
+        "",
+    ]
+    for title, name, peer, _ in SUITES:
+        lines += suite_table(title, name, peer)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def headline() -> str:
+    """README.md's table: for each suite, plain Keras, torch.compile and kvram's fastest and
+    leanest configurations."""
+    lines = ["| model | configuration | throughput | peak GiB | vs `torch.compile` (speed, memory) |",
+             "|---|---|---:|---:|---|"]
+    sources = []
+    for title, name, peer, roles in SUITES:
+        result = load(name)
+        rate, runs = result["rate"], result["results"]
+        peer_run = runs[peer]
+        for role, config in (("plain Keras", roles["plain"]), ("PyTorch `torch.compile`", peer),
+                             ("kvram, fastest", roles["fastest"]), ("kvram, leanest", roles["leanest"])):
+            run = runs[config]
+            versus = "" if config == peer else (
+                f"{_ratio(run[rate], peer_run[rate])}, {_ratio(run['peak_gib'], peer_run['peak_gib'])}")
+            lines.append(f"| {title} | {role} (`{config}`) | {run[rate]:,.0f} {_UNITS[rate]} | "
+                         f"{run['peak_gib']:.2f} | {versus} |")
+        sources.append(f"- {title}: {_source(result, name, 'benchmarks/results/')}: `{result['command']}`")
+    return "\n".join([BEGIN, *lines, "", *sources, END]) + "\n"
+
+
+def readme(text: str) -> str:
+    """`text` (README.md) with its generated part rendered again."""
+    start, end = text.index(BEGIN), text.index(END) + len(END) + 1
+    return text[:start] + headline() + text[end:]
+
+
+def picture(path: str = PICTURE) -> None:
+    """Peak memory against speed, each relative to torch.compile, one panel per suite."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(SUITES), figsize=(4 * len(SUITES), 3.6))
+    for axis, (title, name, peer, _) in zip(axes, SUITES):
+        result = load(name)
+        rate, runs = result["rate"], result["results"]
+        for config, run in runs.items():
+            if "error" in run:
+                continue
+            x, y = run["peak_gib"] / runs[peer]["peak_gib"], run[rate] / runs[peer][rate]
+            colour = "tab:orange" if run["framework"] == "torch" else (
+                "tab:gray" if run["settings"].get("plain") else "tab:blue")
+            axis.scatter([x], [y], color=colour)
+            axis.annotate(config, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        axis.set_title(title.split(",")[0], fontsize=9)
+        axis.set_xlabel("peak memory / torch.compile's")
+        axis.axhline(1.0, color="lightgray", lw=0.8)
+        axis.axvline(1.0, color="lightgray", lw=0.8)
+    axes[0].set_ylabel("speed / torch.compile's")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 where a page differs")
+    args = parser.parse_args(argv)
+    with open(README) as f:
+        committed_readme = f.read()
+    with open(PAGE) as f:
+        committed_page = f.read()
+    wanted = {README: readme(committed_readme), PAGE: page()}
+    stale = [path for path, text in wanted.items() if text != {README: committed_readme, PAGE: committed_page}[path]]
+    if args.check:
+        for path in stale:
+            print(f"{os.path.relpath(path, ROOT)} differs from its rendering: run python -m benchmarks.report",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in wanted.items():
+        with open(path, "w") as f:
+            f.write(text)
+    picture()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
