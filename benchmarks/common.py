@@ -240,14 +240,24 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
                       **runners[framework](settings, args)})
         return
     forwarded = _without_values(sys.argv[1:], ("--out", "--only"))
-    results = run_children(
-        script, args.only or list(configs), forwarded,
-        lambda r: f"{r[rate]:9.0f} {rate.removesuffix('_per_s')}/s  {_peak(r['peak_gib'])} GiB  "
-                  f"loss {r['final_loss']:.3f}",
-        timeout=args.timeout,
-        environment=lambda name: torch_environment() if configs[name][0] == "torch" else None,
-    )
-    report = {
+    results = {}
+    for name in args.only or list(configs):  # the file is written after each: a run cut short keeps the rest
+        results.update(run_children(
+            script, [name], forwarded,
+            lambda r: f"{r[rate]:9.0f} {rate.removesuffix('_per_s')}/s  {_peak(r['peak_gib'])} GiB  "
+                      f"loss {r['final_loss']:.3f}",
+            timeout=args.timeout,
+            environment=lambda name: torch_environment() if configs[name][0] == "torch" else None,
+        ))
+        report = _report(benchmark, script, rate, args, describe_run, results)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+    return report
+
+
+def _report(benchmark, script, rate, args, describe_run, results) -> dict:
+    return {
         "benchmark": benchmark,
         "date": time.strftime("%Y-%m-%d"),
         "commit": commit(),
@@ -260,10 +270,6 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
         **(describe_run(args) if describe_run else {}),
         "results": results,
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
 
 
 def _without_values(argv, names) -> list:
