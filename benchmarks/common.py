@@ -236,8 +236,9 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
     args = parser.parse_args()
     if args.child:
         framework, label, settings = configs[args.child]
+        measured = runners[framework](settings, args)  # the frameworks are imported by now
         child_result({"label": label, "framework": framework, "settings": settings, "versions": versions(),
-                      **runners[framework](settings, args)})
+                      **measured})
         return
     forwarded = _without_values(sys.argv[1:], ("--out", "--only"))
     results = {}
