@@ -3,13 +3,13 @@
 starts it again from the checks kept in the checks file when a signal kills it
 (TensorFlow's GPU allocator can abort a process after a step that ran out of
 memory: `bfc_allocator.cc ... Check failed: h != kInvalidChunkHandle`, seen on
-an H200 limited to 8 GiB, benchmarks/results/plan_h200/README.md).
+an H200 limited to 8 GiB, benchmarks/results/plan_h200/README.md at commit 1fb3fe3).
 
 This process only waits, so it imports nothing of TensorFlow: `kvram/__init__`
 hands the command to `main()` here before it imports anything else. In
 back-to-back runs on one H200, ResNet50's `kvram plan` took 63.4 s so against
 77.1 s with TensorFlow imported and CUDA started here only to wait
-(benchmarks/results/plan_minute_h200/README.md).
+(benchmarks/results/plan_minute_h200/README.md at commit 1fb3fe3).
 
 Also here, for the same reason (no TensorFlow): the checks file (`CheckStore`,
 which `kvram.remat`'s checker writes and this process reads), which GPUs are
@@ -204,7 +204,7 @@ def _kept_checks(path: str) -> CheckStore:
 # ConvNeXtSmall's one check (batch 128 under 12GB on an H200), 51 s of the 86 s
 # of HLO passes. A check is after the step's memory, not its speed: without
 # autotuning that check took 56 s against 123 s and its step peaked at 8.72
-# GiB against 8.75 (benchmarks/results/plan_minute_h200/README.md).
+# GiB against 8.75 (benchmarks/results/plan_minute_h200/README.md at commit 1fb3fe3).
 UNTUNED = "--xla_gpu_autotune_level=0"
 
 # Three more XLA flags that shorten a check's compile, each added unless XLA_FLAGS
@@ -225,7 +225,7 @@ UNTUNED = "--xla_gpu_autotune_level=0"
 # step peaked at 8.76 GiB against 8.75, and the recommendation, trained, at
 # 9.70 GiB (9.72 predicted). ResNet50's check peaked the same (4.72 GiB),
 # ViT-B's at 5.99 GiB (6.04 in earlier runs)
-# (benchmarks/results/plan_minute_h200/README.md, 2026-11-28). XLA_FLAGS
+# (benchmarks/results/plan_minute_h200/README.md at commit 1fb3fe3, 2026-11-28). XLA_FLAGS
 # naming `--xla_disable_hlo_passes` keep their own list.
 QUICK_COMPILE = ("--xla_llvm_disable_expensive_passes=true", "--xla_gpu_enable_triton_gemm=false",
                  "--xla_disable_hlo_passes=triton-softmax-rewriter")
@@ -235,7 +235,7 @@ QUICK_COMPILE = ("--xla_llvm_disable_expensive_passes=true", "--xla_gpu_enable_t
 # every cuDNN convolution algorithm for each shape it has not seen, in the first
 # run of each probed step: on an H200, ConvNeXtSmall's took 21.6 s (16 rows) and
 # 14.5 s (32) without it against 27.5 and 16.3 s with it, measuring the same
-# within 1% (benchmarks/results/plan_minute_h200/8707064_probe_times/).
+# within 1% (benchmarks/results/plan_minute_h200/8707064_probe_times/ at commit 1fb3fe3).
 UNTUNED_CUDNN = "TF_CUDNN_USE_AUTOTUNE"
 
 # The command's start (seconds since the epoch) for its children's stage lines
@@ -286,7 +286,7 @@ def _estimate_then_measure(argv, command, path, run, own, estimate_file, started
     if estimate_file is None:
         return _estimate(command, path, run, own, checking_environment() | started)
     # --measure's process starts now and imports TensorFlow while the estimate
-    # runs (12-14 s on the H200s, benchmarks/results/plan_minute_h200/README.md);
+    # runs (12-14 s on the H200s, benchmarks/results/plan_minute_h200/README.md at commit 1fb3fe3);
     # it starts the GPU only once told to go, after the estimate's process ended
     go = f"{estimate_file}.go"
     measuring = subprocess.Popen(

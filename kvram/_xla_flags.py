@@ -19,8 +19,8 @@ ENV = "KVRAM_XLA_FLAGS"
 # - XLA keeps a bf16/fp16 value rounded where the graph rounds it, instead of
 #   carrying it in float32 between fusions (where it then writes the float32 copy:
 #   ViT-B's GELU gradient, f32[256,197,3072]): ViT-B 3446 against 3310 img/s
-#   (vit_tensordot_*excess_h200.json); ResNet50 6429 against 6430
-#   (resnet50_issue34_h200.json, 2026-11-29). It is the rounding TensorFlow
+#   (benchmarks/results/vit_tensordot_*excess_h200.json at commit 1fb3fe3); ResNet50 6429 against 6430
+#   (benchmarks/results/resnet50_excess_h200.json, 2026-11-29). It is the rounding TensorFlow
 #   without XLA does.
 # The first is a GPU option; the second applies to the CPU's XLA too. Both apply
 # to every XLA compilation in the process.

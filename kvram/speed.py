@@ -37,7 +37,7 @@ def tensordot_einsum(enable: bool = True) -> bool:
     that broadcasts the weight, whose gradient for the weight is B products
     and a sum over them (the bug keras-team/keras#22823 fixed for `Dense`
     only). ViT-B/16 at batch 256 on an H200: 3233 img/s against 2989, in one
-    call (benchmarks/results/vit_tensordot_h200_run1.json). Values equal
+    call (benchmarks/results/vit_tensordot_h200.json). Values equal
     Keras's within float summation order (tests/test_einsum.py). Affects
     every Keras model in the process, traced after the call.
 
@@ -204,7 +204,7 @@ def lean_activations(model: keras.layers.Layer) -> int:
     GELU of a bfloat16/float16 input is computed in float32 and rounded once,
     as PyTorch does (within a rounding of Keras's and nearer the true value;
     ViT-B at batch 256 on an H200: 3292 img/s against 3233, two calls on one
-    machine, benchmarks/results/vit_tensordot_h200_run*.json); gradients agree within
+    machine, benchmarks/results/vit_tensordot_h200_run*.json at commit 1fb3fe3); gradients agree within
     float rounding (tests/test_speed.py). Memory: a ViT-B block at batch 256
     kept 886 MB of GELU intermediates and two float32 copies for its
     LayerNormalizations (benchmarks/results/vit_buffers_h200.json). Works on

@@ -322,7 +322,7 @@ def test_estimate_checks_under_xla_and_training_confirms_it(request):
     # Checked at the batch's own rows, as on a GPU that holds the memory
     # (check_at="auto"). Under XLA on the CPU few choices lower the step's
     # peak, and fewer at the probes' rows (at 8 rows one of 81:
-    # benchmarks/results/xla_cpu_choices_8.json), so a search at the probes
+    # benchmarks/results/xla_cpu_choices_8.json at commit 1fb3fe3), so a search at the probes
     # found one within this memory in some runs only (CI failed so, nothing
     # fitting); at 64 rows remat.plan's own search found the least peak above.
     # The search's logic is tested with faked checks below.

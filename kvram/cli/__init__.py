@@ -85,7 +85,7 @@ def _demo(args) -> int:
     if ran_out and result["device"].startswith("GPU") and args.is_command:
         # Done (printed and saved). TensorFlow's GPU allocator can abort at interpreter exit
         # after an out-of-memory error (bfc_allocator.cc:711 Check failed, seen on an H200 after
-        # this demo and after kvram plan's checks: benchmarks/results/plan_h200/README.md):
+        # this demo and after kvram plan's checks: benchmarks/results/plan_h200/README.md at commit 1fb3fe3):
         # the command ends here, before that teardown.
         sys.stdout.flush()
         sys.stderr.flush()

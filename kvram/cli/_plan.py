@@ -149,7 +149,7 @@ def _plan(args) -> int:
 def _end(args, code: int) -> int:
     """`code`; in a child of `kvram plan`'s own process, the process ends
     here, before TensorFlow's teardown (its GPU allocator aborted one at exit,
-    after the estimate was printed: benchmarks/results/plan_h200/README.md)."""
+    after the estimate was printed: benchmarks/results/plan_h200/README.md at commit 1fb3fe3)."""
     if args.plan_child or args.measure_from:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -163,7 +163,7 @@ def _measure(args, build, found) -> None:
     # Plain Keras is trained beside the recommendation unless the estimate did not
     # check it (predicted over twice the limit): a compiled step that runs out of the
     # GPU's memory takes a compile's time, and TensorFlow's allocator can abort the
-    # process after it (benchmarks/results/plan_minute_h200/README.md).
+    # process after it (benchmarks/results/plan_minute_h200/README.md at commit 1fb3fe3).
     plain = found.plain_configuration()
     skipped = plain.not_checked if plain is not None else None
     chosen = found.recommended

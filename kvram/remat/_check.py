@@ -257,7 +257,7 @@ def _step_peak_or_raise(model, step, x, y, device, jit) -> int:
     # else (the CPU) the compiling call's own run is the one measured: no kernel is timed
     # while compiling, so nothing but the step's own buffers is allocated on the device
     # (ResNet50, ConvNeXtTiny and MobileNetV3Small under XLA on the CPU: the first call's
-    # peak equals each later call's to the byte, benchmarks/plan/compiling_call_peaks.py).
+    # peak equals each later call's to the byte, benchmarks/plan/compiling_call_peaks.py at commit 1fb3fe3).
     memory.reset_peak(device)
     start = memory.current_bytes(device)
     for _ in range(1 if jit else peak_steps()):
@@ -286,7 +286,7 @@ def _reads_assignment(device) -> bool:
     (`_compiles_untuned`), where a run of the untuned step costs seconds (XLA
     then runs cuDNN's default convolution algorithms: 9.4 s for ResNet50's
     bfloat16 step at 128 rows on an H200 against 25 ms autotuned,
-    benchmarks/plan/first_run_log.sh) and the assignment's
+    benchmarks/plan/first_run_log.sh at commit 1fb3fe3) and the assignment's
     temporary buffer and outputs came to 0.998 (ResNet50, 128 rows) and 0.996
     (ConvNeXtSmall, 64 rows) of the run's measured peak
     (benchmarks/results/plan_buffer_assignment_peaks_h200.json). Not on the

@@ -17,11 +17,11 @@ precision before float32 (the order of `precisions`), then the least
 predicted step time (fewer slices first at equal time). A precision is
 measured only when none before it has a configuration that fits (each is a
 model built and measured at the probe batches: on an H200, 38.4 s for
-ConvNeXtSmall at batch 128, benchmarks/results/plan_minute_h200/), unless
+ConvNeXtSmall at batch 128, benchmarks/results/plan_minute_h200/ at commit 1fb3fe3), unless
 `every_precision` asks for the whole table.
 
 Why a slice costs 5% of a step by default: on an H200 at batch 256 (224x224,
-bf16, `benchmarks/results/plan_h200/`), two 128-row slices without
+bf16, `benchmarks/results/plan_h200/ at commit 1fb3fe3`), two 128-row slices without
 recomputation ran at 0.97-1.05x the whole batch's img/s (ResNet50,
 ConvNeXtTiny, EfficientNetV2S) and four 64-row slices at 0.82-0.92x
 (ResNet50, EfficientNetV2S), which a fixed cost per slice of about 5% of the

@@ -33,7 +33,7 @@ def _scaled(low, high, rows_low, rows_high, rows):
 
 # The least share of the cut-by-cut prediction a step without recomputation is taken
 # to check at: one predicted over the limit by more is not checked.
-# On an H200 (benchmarks/results/plan_minute_h200/), XLA-compiled steps checked
+# On an H200 (benchmarks/results/plan_minute_h200/ at commit 1fb3fe3), XLA-compiled steps checked
 # at 0.65x their prediction (ResNet50, 128 rows, bf16) and 0.82x (ViT-B/16, 64
 # rows); each check of a configuration out of memory cost 24-49 s of compiling,
 # and ResNet50's whole batch (predicted 16.2 GiB under a 6.7 GiB limit) aborted
@@ -49,7 +49,7 @@ _CHECKED_AT_LEAST = 0.5
 # ResNet50's 128-row slices (9.40 GB predicted under a 7.2 GB limit: 1.31x, checked
 # first) and 0.86x of ViT-B/16's 64-row slices, while its 128-row slices (predicted
 # 1.61x the limit) were compiled for 22-32 s only to run out of memory
-# (benchmarks/results/plan_minute_h200/).
+# (benchmarks/results/plan_minute_h200/ at commit 1fb3fe3).
 _DEFERRED_OVER = 1.5
 # Of a scaled check, the share taken: a deferred configuration is left unchecked only
 # when this share of the scaled peak is over the limit (XLA's share of the prediction

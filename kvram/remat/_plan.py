@@ -289,7 +289,7 @@ def batch_copies(device: str) -> int:
     a GPU those `kvram.Model`'s `fit()` copies ahead (`PREFETCH_TO_GPU`). On
     one H200, ResNet50's `kvram plan --measure` (batch 256 of 154 MB, 8GB)
     measured 0.66 GiB over its prediction, which counted one batch
-    (benchmarks/results/plan_minute_h200/README.md)."""
+    (benchmarks/results/plan_minute_h200/README.md at commit 1fb3fe3)."""
     return 1 + (PREFETCH_TO_GPU if device.startswith("GPU") else 0)
 
 

@@ -119,7 +119,7 @@ def _profile(model, chain, x, y, loss_fn, device):
 def _profiles(model, chain, batches, loss_fn, device):
     """A `_Profile` for each (x, y) of `batches`, measured by one probed step
     traced once for them all (on an H200, each trace of it took 2.9-5.1 s:
-    benchmarks/results/plan_minute_h200/8707064_probe_times/)."""
+    benchmarks/results/plan_minute_h200/8707064_probe_times/ at commit 1fb3fe3)."""
     # the steps move BatchNormalization statistics and seeds
     with memory.state_kept(model), shared_grouped_convolutions(device), graph_optimizers_off(device):
         return _profile_steps(model, chain, batches, loss_fn, device)
@@ -134,7 +134,7 @@ def graph_optimizers_off(device):
     them against 21.6 and 14.5 s with them (ConvNeXtSmall, 16 and 32 rows), 6.4
     and 2.1 s against 7.4 and 4.0 s (ResNet50, 32 and 64 rows), and measured
     the same within 1% (the highest stretch's peak, and what segments keep:
-    benchmarks/results/plan_minute_h200/8707064_probe_times/). On the CPU,
+    benchmarks/results/plan_minute_h200/8707064_probe_times/ at commit 1fb3fe3). On the CPU,
     where the measurement is quick, nothing is changed."""
     if not device.startswith("GPU"):
         yield
@@ -166,7 +166,7 @@ def shared_grouped_convolutions(device):
     batch, the probe's first runs 24.4 and 11.4 s (ConvNeXtSmall, 16 and 32
     rows). The shared function's first runs took 7.3 and 1.5 s, measured the
     same within 0.05%, and `kvram plan` for ConvNeXtSmall took 47.1-48.0 s
-    against 67.2 s (benchmarks/results/plan_minute_h200/, 2026-11-28). Under
+    against 67.2 s (benchmarks/results/plan_minute_h200/ at commit 1fb3fe3, 2026-11-28). Under
     a jit-compiled step (a GPU's training, the checks) the functions are
     inlined and nothing changes. On the CPU nothing is changed."""
     if not device.startswith("GPU"):

@@ -140,7 +140,7 @@ def multi_step_function(model, step_function):
     ViT-B/16 trained 1.02x faster (`results/vit_hostloop_h200.json`). Where
     the step has no XLA conditional, the host then makes no synchronizing
     CUDA call until the call's end (`benchmarks/profile/host_lead.py
-    --cuda-calls`, `results/cuda_calls_vit_h200.json`).
+    --cuda-calls` at commit 1fb3fe3, `results/cuda_calls_vit_h200.json`).
 
     Batches are taken as Keras takes them: the next one is fetched after each
     step except the execution's last, so no batch is drawn and dropped.
