@@ -4,7 +4,6 @@ tests/test_distribute.py trains through it)."""
 import io
 import json
 import sys
-import time
 
 import pytest
 
@@ -19,12 +18,18 @@ with open(os.path.join(sys.argv[1], f"w{index}_a{attempt}.json"), "w") as f:
     json.dump({"config": config, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}, f)
 print(f"hello from {index}", flush=True)
 mode = sys.argv[2] if len(sys.argv) > 2 else ""
-if attempt == 0 and index == 1 and mode == "fail":
-    sys.exit(3)
-if attempt == 0 and index == 1 and mode == "kill":
+if attempt == 0 and index == 1 and mode in ("fail", "kill"):
+    # fails only once worker 0 has written its file: the order is a handshake, not a race
+    for _ in range(6000):
+        if os.path.exists(os.path.join(sys.argv[1], "w0_a0.json")):
+            break
+        time.sleep(0.05)
+    if mode == "fail":
+        sys.exit(3)
     os.kill(os.getpid(), signal.SIGKILL)
 if attempt == 0 and index == 0 and mode in ("fail", "kill"):
     time.sleep(120)  # stopped by the launcher when worker 1 fails
+    open(os.path.join(sys.argv[1], "w0_slept"), "w").close()
 '''
 
 
@@ -65,13 +70,12 @@ def test_one_gpu_per_worker_from_cuda_visible_devices(tmp_path, script, monkeypa
 @pytest.mark.parametrize("mode,code,said", [("fail", 3, "exited with code 3"), ("kill", 137, "was killed by SIGKILL")])
 def test_a_failed_worker_stops_the_others_and_gives_its_code(tmp_path, script, mode, code, said):
     out = io.StringIO()
-    started = time.monotonic()
     result = launch.launch([sys.executable, str(script), str(tmp_path), mode], 2, gpus="none",
                            grace_seconds=2, out=out)
     assert result == code
     assert f"[kvram launch] worker 1 {said}: stopping the others" in out.getvalue()
-    # worker 0 would sleep 120 s: the launcher stopped it instead of waiting
-    assert time.monotonic() - started < 60
+    # worker 0 would sleep 120 s and then write w0_slept: the launcher stopped it instead of waiting
+    assert not (tmp_path / "w0_slept").exists()
 
 
 def test_max_restarts_starts_every_worker_again(tmp_path, script):
