@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import kvram
-from tests.helpers import max_rel_diff
+from tests.helpers import in_own_process, max_rel_diff
 
 TOL = 1e-5
 
@@ -134,13 +134,16 @@ def launch_workers(tmp_path, script, kwargs, **options):
 @pytest.mark.parametrize(
     "kwargs", [{"micro_batch_size": 3, "clip_global_norm": 0.5}, {}], ids=["micro_batches_clipped", "plain"]
 )
-def test_multi_worker_mirrored_two_processes_equal_one_device(tmp_path, kwargs):
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_multi_worker_mirrored_two_processes_equal_one_device(tmp_path, kwargs, request):
     """Two worker processes (one CPU each, started by kvram launch) under
     MultiWorkerMirroredStrategy train a checkpointed kvram.Model (with
     micro-batching and clipping, and without) to the same weights as one device
     on the same global batch, with the same validation losses, evaluate() loss
     and predictions: Keras 3's fit() and evaluate() alone fail there
     (keras-team/keras#20585)."""
+    if in_own_process(request):
+        return
     launch_workers(tmp_path, WORKER, kwargs)
     x, y = data()
     one = make(**kwargs)
@@ -185,11 +188,14 @@ np.savez(os.path.join(sys.argv[1], f"w{index}.npz"), *[v.numpy() for v in model.
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{"micro_batch_size": 3}], ids=["micro_batches"])
-def test_multi_worker_killed_worker_resumes_to_the_same_weights(tmp_path, kwargs):
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_multi_worker_killed_worker_resumes_to_the_same_weights(tmp_path, kwargs, request):
     """kvram launch restarts both workers after one is SIGKILLed in the third of
     four epochs; keras.callbacks.BackupAndRestore resumes them from the second
     epoch's backup, and they end with the weights of an uninterrupted run on
     one device (1e-5), having run the last two epochs again."""
+    if in_own_process(request):
+        return
     out = launch_workers(tmp_path, RESUMING_WORKER, kwargs, max_restarts=1, grace_seconds=5)
     assert "[kvram launch] worker 1 was killed by SIGKILL: stopping the others" in out
     x, y = data()

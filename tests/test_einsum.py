@@ -117,6 +117,7 @@ def test_integer_operands_are_keras_own():
     np.testing.assert_array_equal(result, np.full((2, 3, 5), 4))
 
 
+@pytest.mark.slow  # a child process
 def test_the_environment_variable_leaves_keras_einsum():
     code = ("import kvram\nfrom keras.src.backend.tensorflow import numpy as t\n"
             "print(t.einsum is kvram._einsum.einsum)")

@@ -3,6 +3,8 @@ import os
 
 import pytest
 
+from tests.helpers import in_own_process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -45,7 +47,10 @@ def test_two_device_split_example_trains():
     assert losses[-1] < losses[0]
 
 
-def test_mixed_precision_example_learns_in_every_policy():
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_mixed_precision_example_learns_in_every_policy(request):
+    if in_own_process(request):
+        return
     results = load("mixed_precision").main([])
     for policy, r in results.items():
         assert r["accuracy"] > 0.9, (policy, r)
@@ -57,8 +62,6 @@ def test_mixed_precision_example_learns_in_every_policy():
 @pytest.mark.alone
 @pytest.mark.parametrize("example", ["fit_a_budget", "transformer_budget"])
 def test_budget_example_trains_within_its_budget(example, request):
-    from tests.helpers import in_own_process
-
     if in_own_process(request):  # the allocator's peak while training, in a process of its own
         return
     chosen, budget, peak = load(example).main(["--steps", "2"])

@@ -720,7 +720,10 @@ def _finetune_model():
 
 
 @pytest.mark.slow
-def test_nested_models_are_cut_at_their_own_blocks():
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_nested_models_are_cut_at_their_own_blocks(request):
+    if in_own_process(request):
+        return
     keras.utils.set_random_seed(0)
     model = _finetune_model()
     chain = remat.segments(model)

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvram import _xla_flags
 
 
@@ -30,6 +32,7 @@ def test_the_environment_variable_leaves_xla_flags():
     assert _xla_flags.add_fast({_xla_flags.ENV: "0"}) == []
 
 
+@pytest.mark.slow  # a child process
 def test_import_kvram_adds_them_and_xla_compiles_with_them():
     # XLA stops the process at its first compilation if XLA_FLAGS names a flag it does not know
     code = ("import os, kvram, tensorflow as tf\n"

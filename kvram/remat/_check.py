@@ -11,7 +11,6 @@ import os
 import sys
 import time
 
-import keras
 import tensorflow as tf
 from keras import tree
 from keras.src.trainers.compile_utils import CompileLoss
