@@ -156,12 +156,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 where a page differs")
     args = parser.parse_args(argv)
-    with open(README) as f:
-        committed_readme = f.read()
-    with open(PAGE) as f:
-        committed_page = f.read()
-    wanted = {README: readme(committed_readme), PAGE: page()}
-    stale = [path for path, text in wanted.items() if text != {README: committed_readme, PAGE: committed_page}[path]]
+    committed = {}
+    for path in (README, PAGE):
+        with open(path) as f:
+            committed[path] = f.read()
+    wanted = {README: readme(committed[README]), PAGE: page()}
+    stale = [path for path, text in wanted.items() if text != committed[path]]
     if args.check:
         for path in stale:
             print(f"{os.path.relpath(path, ROOT)} differs from its rendering: run python -m benchmarks.report",

@@ -59,9 +59,7 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
 
     def __init__(self, num_heads, key_dim, chunk_size: int = 512, implementation: str = "auto", **kwargs):
         super().__init__(num_heads, key_dim, **kwargs)
-        self.chunk_size = _checks.positive_int("chunk_size", chunk_size)
-        _check_implementation(implementation)
-        self.implementation = implementation
+        self.chunk_size, self.implementation = check_arguments(chunk_size, implementation)
 
     def get_config(self):
         config = super().get_config()
