@@ -16,7 +16,8 @@ from kvram.layers.batch_norm import FusedBatchNormalization
 from kvram.layers.lean import LeanLayerNormalization, lean_gelu, lean_gelu_approximate
 
 __all__ = [
-    "efficient_attention", "fuse_batch_norm", "lean_activations", "pin_host_memory", "host_memory_pinned",
+    "efficient_attention", "fuse_batch_norm", "fused_cross_entropy", "lean_activations", "pin_host_memory",
+    "host_memory_pinned",
     "tensordot_einsum",
 ]
 
@@ -234,11 +235,29 @@ def lean_activations(model: keras.layers.Layer) -> int:
     return _switch_each("lean_activations", model, make_lean)
 
 
+def _kerashub_attention_classes() -> tuple:
+    """(KerasHub's grouped-query attention classes, its decoder blocks whose
+    causal mask `attention.split_causal_mask` splits off); empty without KerasHub."""
+    try:
+        from keras_hub.src.layers.modeling.transformer_decoder import TransformerDecoder
+        from keras_hub.src.models.llama.llama_attention import LlamaAttention
+        from keras_hub.src.models.llama.llama_decoder import LlamaTransformerDecoder
+    except ImportError:
+        return (), ()
+    return (LlamaAttention,), (TransformerDecoder, LlamaTransformerDecoder)
+
+
 def efficient_attention(model: keras.layers.Layer, chunk_size: int = 512, implementation: str = "auto") -> int:
     """Makes every `keras.layers.MultiHeadAttention` in `model` compute its
     attention as `kvram.layers.MemoryEfficientAttention` does, in place:
     subclasses included (KerasHub's `CachedMultiHeadAttention`, in its GPT-2,
-    OPT and Bart models), which a swap of classes could not reach.
+    OPT and Bart models), which a swap of classes could not reach, and
+    KerasHub's `LlamaAttention` (grouped-query attention: cuDNN takes the keys
+    and values at their own number of heads). In KerasHub's decoder blocks
+    (`TransformerDecoder`, `LlamaTransformerDecoder`) the causal part of the
+    self-attention mask goes to cuDNN as its causal kernel, the padding part as
+    a bias (`kvram.layers.attention.split_causal_mask`). Gemma's attention
+    (soft-capped logits, sliding windows) is left as it is.
 
     The n x n attention scores are never kept: cuDNN's fused attention where
     it runs (see `MemoryEfficientAttention`), else chunks of `chunk_size` keys
@@ -264,15 +283,97 @@ def efficient_attention(model: keras.layers.Layer, chunk_size: int = 512, implem
     """
 
     attention.check_arguments(chunk_size, implementation)  # before any layer is looked at
+    grouped, decoders = _kerashub_attention_classes()
 
     def make_efficient(layer):
-        if (
-            isinstance(layer, keras.layers.MultiHeadAttention)
-            and not isinstance(layer, attention.MemoryEfficientAttention)
-            and not hasattr(layer, "_kvram_efficient")
-        ):
+        if isinstance(layer, decoders) and not hasattr(layer, "_kvram_split"):
+            inner = getattr(layer, "_self_attention_layer", None)
+            if inner is not None:
+                attention.split_causal_mask(layer, inner)
+                layer._kvram_split = True
+        if hasattr(layer, "_kvram_efficient") or isinstance(layer, attention.MemoryEfficientAttention):
+            return False
+        if isinstance(layer, keras.layers.MultiHeadAttention):
             attention.make_efficient(layer, chunk_size, implementation)
+            return True
+        if isinstance(layer, grouped):
+            attention.make_efficient_grouped(layer, chunk_size, implementation)
             return True
         return False
 
     return _switch_each("efficient_attention", model, make_efficient)
+
+
+def fused_cross_entropy(model: keras.Model, chunk_size: int = 1024) -> int:
+    """Makes `model` train with its head and its sparse cross-entropy fused
+    into one chunked op that never holds the (tokens, vocabulary) logits, in
+    place: for a functional model whose one output is a `Dense(vocabulary)`
+    head without activation, or a `ReversibleEmbedding` called with
+    `reverse=True` (KerasHub's `GPT2CausalLM`, `LlamaCausalLM`: tied or not),
+    compiled with `keras.losses.SparseCategoricalCrossentropy(from_logits=True)`.
+
+    Each chunk of `chunk_size` tokens computes its logits (products in the
+    global policy's compute dtype, bfloat16 under `mixed_bfloat16`, with float32
+    results; float32 under `float32`), their float32 log-sum-exp and loss, and
+    its share of the gradients at once. Loss and gradients equal Keras's own
+    (sample weights and the loss's reduction included) within float rounding
+    (tests/test_cross_entropy.py). Only training changes: `predict`,
+    `evaluate`, `generate` and saving compute the logits as before.
+
+    Training computes no logits, so training steps log the loss alone (with a
+    warning where metrics were compiled: a KerasHub `CausalLM` compiles
+    `SparseCategoricalAccuracy`); `evaluate()` and validation compute every
+    compiled metric as before. Call it after `compile()` (the loss is checked
+    then), and again after compiling or loading anew.
+
+    Returns:
+        1 (the head switched).
+
+    Raises:
+        ValueError: the model has no such head, is not compiled with that
+            loss, or `chunk_size` is not an int >= 1.
+    """
+    from kvram import _checks, _cross_entropy
+    from kvram.training import _model
+
+    chunk_size = _checks.positive_int("chunk_size", chunk_size)
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"fused_cross_entropy expects a Keras model. Received: model={model!r}")
+    if not getattr(model, "compiled", False):
+        raise ValueError("fused_cross_entropy checks the compiled loss: call model.compile(...) first.")
+    _cross_entropy.compiled_loss(model)
+    if model._compile_metrics is not None:
+        import warnings
+
+        warnings.warn(
+            "fused_cross_entropy trains without logits, so training steps log the loss alone; the compiled "
+            "metrics are computed by evaluate() and on validation data as before.", stacklevel=2)
+    head = _cross_entropy.head_of(model, chunk_size)
+    model._kvram_fused_head = head
+    if not isinstance(model, _model.Model):
+        model.train_step = _fused_train_step(model, head)
+    model.train_function = None
+    return 1
+
+
+def _fused_train_step(model, head):
+    """Keras's `TensorFlowTrainer.train_step` with the fused loss in place of
+    the logits and `compute_loss` (for a model that is not a `kvram.Model`)."""
+    import tensorflow as tf
+    from keras.src.losses import loss as loss_module
+    from keras.src.trainers import data_adapters
+
+    def train_step(data):
+        x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            loss = head.loss(x, y, sample_weight)
+            model._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss), sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+            if model.optimizer is not None:
+                loss = model.optimizer.scale_loss(loss)
+        if model.trainable_weights:
+            gradients = tape.gradient(loss, model.trainable_weights)
+            model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+        return {"loss": model._loss_tracker.result()}
+
+    return train_step

@@ -225,8 +225,10 @@ def test_cudnn_says_why_it_cannot_run():
     if not tf.config.list_logical_devices("GPU"):  # on a GPU it runs (the test below)
         with pytest.raises(ValueError, match="only inside a step XLA compiles for a GPU"):
             tf.function(model, jit_compile=True)(q)
-    with pytest.raises(ValueError, match="no attention mask but a causal one"):
-        layer(q, q, attention_mask=tf.ones((2, 12, 12), bool))
+    with pytest.raises(ValueError, match="mask while training it needs even lengths \\(got 11 queries, 11 keys\\)"):
+        layer(q[:, :11], q[:, :11], attention_mask=tf.ones((2, 11, 11), bool))
+    with pytest.raises(ValueError, match="causal mask needs as many queries as keys \\(got 12 and 10\\)"):
+        layer(q, q[:, :10], use_causal_mask=True)
     with pytest.raises(ValueError, match="float16 or bfloat16 alike \\(got float32"):
         MemoryEfficientAttention(2, 8, implementation="cudnn")(q, q)
     odd = MemoryEfficientAttention(2, 12, implementation="cudnn", dtype="mixed_bfloat16")
@@ -281,6 +283,151 @@ def test_cudnn_calls_are_what_xla_expects():
     }
 
 
+def traced_calls(fn, *specs):
+    """{call target: its fMHA configuration, operand shapes and result shapes}
+    of the XLA custom calls in `fn`'s graph, traced for `specs` (no GPU needed)."""
+    import json
+
+    graph = tf.function(fn).get_concrete_function(*specs).graph
+    calls = {}
+    for op in graph.get_operations():
+        if op.type == "XlaCustomCallV2":
+            fmha = json.loads(op.get_attr("backend_config"))["cudnn_fmha_backend_config"]
+            calls[op.get_attr("call_target_name").decode()] = (
+                fmha, [x.shape.as_list() for x in op.inputs], [x.shape.as_list() for x in op.outputs])
+    return calls
+
+
+def test_cudnn_calls_with_a_bias_dropout_and_fewer_key_heads():
+    """A bias, dropout and grouped keys reach the calls as JAX's cuDNN attention
+    passes them: forward (q, k, v, bias), backward (q, k, v, statistics, dO,
+    bias, O), dK and dV at the keys' own heads, the rate and seed configured."""
+    from kvram.layers._cudnn_attention import bias_from_mask, cudnn_attention
+
+    def step(q, k, v, mask):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            bias = bias_from_mask(mask, q.dtype, 128, 128)
+            out = cudnn_attention(q, k, v, 0.125, causal=True, bias=bias, dropout=0.1, seed=7)
+            loss = tf.reduce_sum(tf.cast(out, tf.float32))
+        return tape.gradient(loss, [q, k, v])
+
+    calls = traced_calls(step, tf.TensorSpec((2, 8, 128, 64), tf.bfloat16), tf.TensorSpec((2, 2, 128, 64), tf.bfloat16),
+                         tf.TensorSpec((2, 2, 128, 64), tf.bfloat16), tf.TensorSpec((2, 1, 128), tf.bool))
+    assert set(calls) == {"__cudnn$fmhaScaleBiasSoftmaxDropout", "__cudnn$fmhaScaleBiasSoftmaxDropoutBackward"}
+    fmha, operands, results = calls["__cudnn$fmhaScaleBiasSoftmaxDropout"]
+    assert (fmha["dropout_rate"], fmha["seed"], fmha["mask_type"]) == (0.1, 7, "CAUSAL")
+    assert operands == [[2, 8, 128, 64], [2, 2, 128, 64], [2, 2, 128, 64], [2, 1, 128, 128]]
+    assert results == [[2, 8, 128, 64], [2, 8, 128], [0]]
+    fmha, operands, results = calls["__cudnn$fmhaScaleBiasSoftmaxDropoutBackward"]
+    assert (fmha["dropout_rate"], fmha["seed"]) == (0.1, 7)
+    assert operands == [[2, 8, 128, 64], [2, 2, 128, 64], [2, 2, 128, 64], [2, 8, 128], [2, 8, 128, 64],
+                        [2, 1, 128, 128], [2, 8, 128, 64]]
+    assert results == [[2, 8, 128, 64], [2, 2, 128, 64], [2, 2, 128, 64], [0]]
+
+
+def test_mask_as_bias():
+    """A boolean mask of any shape Keras takes becomes an additive bias of
+    (B or 1, N or 1, T, S): 0 where allowed, a large finite negative elsewhere."""
+    from kvram.layers._cudnn_attention import bias_from_mask
+
+    mask = np.ones((2, 1, 6), bool)
+    mask[1, 0, :2] = False
+    bias = bias_from_mask(mask, tf.bfloat16, 4, 6)
+    assert bias.shape == (2, 1, 4, 6) and bias.dtype == tf.bfloat16
+    values = bias.numpy().astype(np.float32)
+    assert np.all(values[0] == 0) and np.all(values[1, :, :, 2:] == 0)
+    assert np.all(values[1, :, :, :2] < -1e37) and np.all(np.isfinite(values))
+    assert bias_from_mask(np.ones((4, 6), bool), tf.float16, 4, 6).shape == (1, 1, 4, 6)
+
+
+def kerashub_decoder(kind, dropout=0.0, length=128):
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    if kind == "gpt2":
+        model = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=128,
+                                              intermediate_dim=64, max_sequence_length=length, dropout=dropout)
+    else:
+        model = keras_hub.models.LlamaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                                               num_key_value_heads=2, hidden_dim=256, intermediate_dim=64)
+    rng = np.random.default_rng(0)
+    padding = np.ones((2, length), "int32")
+    padding[1, :5] = 0  # left padding
+    x = {"token_ids": tf.constant(rng.integers(0, 64, (2, length)), tf.int32), "padding_mask": tf.constant(padding)}
+    return model, x
+
+
+@pytest.mark.parametrize("kind,dropout,target", [
+    ("gpt2", 0.1, "__cudnn$fmhaScaleBiasSoftmaxDropout"),
+    ("gpt2", 0.0, "__cudnn$fmhaScaleBiasSoftmax"),
+    ("llama", 0.0, "__cudnn$fmhaScaleBiasSoftmax"),
+])
+def test_kerashub_decoders_take_cudnns_causal_kernel_with_the_padding_as_a_bias(kind, dropout, target, monkeypatch):
+    """The path each KerasHub decoder takes where cuDNN would run (the GPU check
+    made true, the step only traced): GPT-2's attention with its dropout inside
+    the kernel, Llama's with its 2 key/value heads for 4 query heads, both with
+    cuDNN's causal mask and the padding mask as a (B, 1, T, S) bias, one seed a layer."""
+    from kvram.layers import _cudnn_attention
+
+    monkeypatch.setattr(_cudnn_attention, "in_xla_on_gpu", lambda x: True)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        model, x = kerashub_decoder(kind, dropout)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert kvram.speed.efficient_attention(model) == 2
+
+    def step(token_ids, padding_mask):
+        with tf.GradientTape() as tape:
+            out = model({"token_ids": token_ids, "padding_mask": padding_mask}, training=True)
+            loss = tf.reduce_sum(tf.cast(out, tf.float32))
+        return tape.gradient(loss, model.trainable_weights)
+
+    import json
+
+    graph = tf.function(step).get_concrete_function(
+        tf.TensorSpec((2, 128), tf.int32), tf.TensorSpec((2, 128), tf.int32)).graph
+    calls = [op for op in graph.get_operations() if op.type == "XlaCustomCallV2"]
+    names = sorted({op.get_attr("call_target_name").decode() for op in calls})
+    assert names == [target, target + "Backward"]
+    forward = [op for op in calls if op.get_attr("call_target_name").decode() == target]
+    assert len(forward) == 2  # one a layer
+    seeds = set()
+    for op in forward:
+        fmha = json.loads(op.get_attr("backend_config"))["cudnn_fmha_backend_config"]
+        assert fmha["mask_type"] == "CAUSAL" and fmha["dropout_rate"] == pytest.approx(dropout)
+        q, k, _, bias = (x.shape.as_list() for x in op.inputs)
+        assert bias == [2, 1, 128, 128]
+        assert k[1] == (2 if kind == "llama" else q[1])
+        seeds.add(fmha["seed"])
+    assert len(seeds) == 2
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_kerashub_decoders_with_split_causal_masks_equal_their_own_attention(kind):
+    """Off a GPU (the chunks), GPT-2's and Llama's backbones with
+    efficient_attention (causal mask split from the padding mask, Llama's keys
+    at their own heads) equal the backbones' own attention, outputs at
+    unpadded positions and gradients of a loss that weighs those alone."""
+    model, x = kerashub_decoder(kind, length=24)
+    x = {"token_ids": x["token_ids"][:, :24], "padding_mask": x["padding_mask"][:, :24]}
+    weight = tf.cast(x["padding_mask"], tf.float32)[..., None]
+
+    def run():
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = tf.reduce_sum(out ** 2 * weight)
+        grads = tape.gradient(loss, model.trainable_weights)
+        return [out * weight] + [tf.convert_to_tensor(g) for g in grads if g is not None]
+
+    theirs = run()
+    assert kvram.speed.efficient_attention(model, chunk_size=7) == 2
+    for ours in (run(), tf.function(run, jit_compile=True)()):
+        assert max_rel_diff(theirs[:1], ours[:1]) < 1e-5
+        assert max_rel_diff(theirs[1:], ours[1:], per_tensor=False) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_cudnn_attention_equals_multi_head_attention_under_xla(causal, monkeypatch):
@@ -313,6 +460,87 @@ def test_cudnn_attention_equals_multi_head_attention_under_xla(causal, monkeypat
     assert calls, "cuDNN's attention was not chosen"
     theirs = step(mha)
     assert max_rel_diff(theirs, ours, per_tensor=False) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_cudnn_kerashub_decoders_equal_their_own_attention_on_a_gpu(kind):
+    """On a GPU, XLA-compiled, mixed_bfloat16: GPT-2's and Llama's backbones
+    (left padding, causal, Llama's grouped keys) through cuDNN against their
+    own attention, outputs at unpadded positions and gradients, within bf16's
+    tolerance."""
+    from kvram.layers import _cudnn_attention
+
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        model, x = kerashub_decoder(kind)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    weight = tf.cast(x["padding_mask"], tf.float32)[..., None]
+
+    @tf.function(jit_compile=True)
+    def run():
+        with tf.GradientTape() as tape:
+            out = tf.cast(model(x, training=True), tf.float32)
+            loss = tf.reduce_sum(out ** 2 * weight)
+        grads = tape.gradient(loss, model.trainable_weights)
+        return [out * weight] + [tf.convert_to_tensor(g) for g in grads if g is not None]
+
+    theirs = run()
+    kvram.speed.efficient_attention(model)
+    calls = []
+    original = _cudnn_attention.cudnn_attention
+    _cudnn_attention.cudnn_attention = lambda *a, **k: calls.append(k) or original(*a, **k)
+    try:
+        ours = tf.function(run.python_function, jit_compile=True)()
+    finally:
+        _cudnn_attention.cudnn_attention = original
+    assert len(calls) == 2 and all(c["causal"] and c["bias"] is not None for c in calls)
+    assert max_rel_diff(theirs[:1], ours[:1]) < 2e-2
+    assert max_rel_diff(theirs[1:], ours[1:], per_tensor=False) < 3e-2
+
+
+@pytest.mark.gpu
+def test_cudnn_dropout_keeps_its_rate_and_the_backward_uses_the_forwards_mask():
+    """cuDNN's dropout, read off the output: with q = 0 every probability is
+    1/S and v the identity, so out * S * (1 - rate) is the keep mask itself.
+    Its keep rate is 1 - rate; the gradient of v is the dropped probabilities'
+    transpose times dO, with that same mask; the next step draws another mask,
+    and a forward recomputed under a Checkpoint draws the step's own."""
+    from kvram.layers._cudnn_attention import cudnn_attention
+
+    rate, s = 0.25, 128
+    q = tf.zeros((2, 4, s, 128), tf.bfloat16)
+    v = tf.tile(tf.eye(s, dtype=tf.bfloat16)[None, None], [2, 4, 1, 1])
+    w = tf.constant(np.random.default_rng(0).standard_normal((2, 4, s, 128)), tf.float32)
+
+    def attend(v):
+        return cudnn_attention(q, q, v, 1.0, dropout=rate, seed=3)
+
+    def step_of(attention):
+        @tf.function(jit_compile=True)
+        def step(v):
+            with tf.GradientTape() as tape:
+                tape.watch(v)
+                out = tf.cast(attention(v), tf.float32)
+                loss = tf.reduce_sum(out * w)
+            return out, tape.gradient(loss, v)
+
+        return step
+
+    plain, recomputed = step_of(attend), step_of(tf.recompute_grad(attend))
+    masks = []
+    for step in (plain, plain, recomputed, recomputed):
+        out, dv = step(v)
+        keep = out.numpy() * s * (1 - rate)
+        assert np.allclose(keep, np.round(keep), atol=2e-2) and set(np.unique(np.round(keep))) <= {0.0, 1.0}
+        keep = np.round(keep)
+        assert abs(keep.mean() - (1 - rate)) < 0.01
+        expected = np.einsum("bnts,bnth->bnsh", keep / (s * (1 - rate)), w.numpy())
+        assert np.allclose(dv.numpy().astype(np.float32), expected, rtol=2e-2, atol=2e-3)
+        masks.append(keep)
+    assert (masks[0] != masks[1]).mean() > 0.2  # a new mask each step
+    assert (masks[2] != masks[3]).mean() > 0.2
 
 
 def dense_reference(q, k, v, mask, causal, chunk_size, rate, seed):

@@ -19,8 +19,8 @@ DOCUMENTED = {
     "kvram.memory": ["peak_bytes", "current_bytes", "reset_peak", "limit_bytes", "track", "Tracked",
                      "MemoryMonitor", "is_out_of_memory"],
     "kvram.precision": ["enable", "current_policy", "auto_policy", "loss_scale", "check_model_policy"],
-    "kvram.speed": ["efficient_attention", "fuse_batch_norm", "lean_activations", "pin_host_memory", "host_memory_pinned",
-                    "tensordot_einsum"],
+    "kvram.speed": ["efficient_attention", "fuse_batch_norm", "fused_cross_entropy", "lean_activations",
+                    "pin_host_memory", "host_memory_pinned", "tensordot_einsum"],
     "kvram.cli": ["main"],
 }
 

@@ -37,13 +37,14 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
 
     In a step XLA compiles for a GPU (Keras's `jit_compile`, kvram's default
     there), under mixed precision, the attention is cuDNN's fused (flash)
-    attention instead, where cuDNN takes it: no attention mask other than a
-    causal one over equal lengths, no dropout while training, a head size that
-    is a multiple of 8 up to 128, static shapes (batches of one size: a
-    `tf.data` batch with `drop_remainder=True`). It too keeps no n x n scores.
-    ViT-B/16, batch 256, one H200: 2934 img/s at 24.03 GiB, against 2491 at
-    31.14 with Keras's MultiHeadAttention on the same machine
-    (benchmarks/results/vit_cudnn_h200.json).
+    attention instead, where cuDNN takes it: a head size that is a multiple of
+    8 up to 128, static shapes (batches of one size: a `tf.data` batch with
+    `drop_remainder=True`), a causal mask over equal lengths, an attention mask
+    of any shape Keras takes (as an additive bias; then even lengths while
+    training), attention dropout inside the kernel (its drop mask drawn by
+    cuDNN). It too keeps no n x n scores. Where cuDNN cannot take a case,
+    "auto" uses the chunks and "cudnn" raises a `ValueError` saying why.
+    ViT-B/16, batch 256, one H200: see the Benchmarks page (`kvram_fast`).
 
     Args:
         num_heads: as `keras.layers.MultiHeadAttention`.
@@ -132,24 +133,40 @@ def attend(layer, query, key, value, attention_mask, training, return_attention_
     q = tf.transpose(query, [0, 2, 1, 3])
     k = tf.transpose(key, [0, 2, 1, 3])
     v = tf.transpose(value, [0, 2, 1, 3])
-    causal = bool(use_causal_mask) or getattr(layer, "_kvram_causal", False)
+    causal = bool(use_causal_mask) or getattr(layer, "_kvram_causal", False) or _take_causal(layer)
     layer._kvram_causal = False
-    why_not = _why_not_cudnn(layer, implementation, q, k, v, attention_mask, causal, training)
+    dropout = layer._dropout if training else 0.0
+    return _attend_heads(layer, q, k, v, attention_mask, causal, dropout, float(layer._inverse_sqrt_key_dim),
+                         chunk_size, implementation, lambda: layer._dropout_layer.seed_generator)
+
+
+def _attend_heads(layer, q, k, v, attention_mask, causal, dropout, scale, chunk_size, implementation, seeds):
+    """(B, T, N, H) attention of (B, N, T, H) q and (B, Nk, S, H) k, v: cuDNN's
+    where it takes the case, else the chunks (keys and values repeated to the
+    queries' heads); `seeds()` is the seed generator of the chunks' dropout."""
+    why_not = _why_not_cudnn(implementation, q, k, v, attention_mask, causal, bool(dropout))
     if why_not is None:
-        out = _cudnn_attention.cudnn_attention(q, k, v, float(layer._inverse_sqrt_key_dim), causal=causal)
+        bias = None
+        if attention_mask is not None:
+            bias = _cudnn_attention.bias_from_mask(_as_score_mask(attention_mask), q.dtype, q.shape[2], k.shape[2])
+        out = _cudnn_attention.cudnn_attention(q, k, v, scale, causal=causal, bias=bias, dropout=dropout,
+                                               seed=_layer_seed(layer))
         return tf.transpose(out, [0, 2, 1, 3]), None
     if implementation == "cudnn" and not _symbolic():
         raise ValueError(f"MemoryEfficientAttention(implementation='cudnn') cannot run here: {why_not}.")
-    q = q * tf.cast(layer._inverse_sqrt_key_dim, q.dtype)
+    if k.shape[1] is not None and q.shape[1] is not None and k.shape[1] != q.shape[1]:
+        k = tf.repeat(k, q.shape[1] // k.shape[1], axis=1)
+        v = tf.repeat(v, q.shape[1] // v.shape[1], axis=1)
+    q = q * tf.cast(scale, q.dtype)
     mask = None if attention_mask is None else _as_score_mask(attention_mask)
-    dropout, seed = 0.0, None
-    if layer._dropout > 0.0 and training:
-        # The MultiHeadAttention's own dropout layer's seed generator, so a
-        # Checkpoint that restores the layer's state replays the same mask.
+    seed = None
+    if dropout:
+        # The layer's own dropout layer's seed generator, so a Checkpoint that
+        # restores the layer's state replays the same mask.
         from keras.src.backend.tensorflow.random import _cast_seed
         from keras.src.random.seed_generator import draw_seed
 
-        dropout, seed = layer._dropout, _cast_seed(draw_seed(layer._dropout_layer.seed_generator))
+        seed = _cast_seed(draw_seed(seeds()))
     out = chunked_attention(q, k, v, mask, causal=causal, chunk_size=chunk_size, dropout=dropout, seed=seed)
     return tf.transpose(out, [0, 2, 1, 3]), None
 
@@ -170,20 +187,81 @@ def _as_score_mask(attention_mask):
     return mask
 
 
-def _why_not_cudnn(layer, implementation, q, k, v, attention_mask, causal, training):
+def _why_not_cudnn(implementation, q, k, v, attention_mask, causal, dropout):
     """None where this call runs cuDNN's attention, else why not."""
     if implementation == "chunked":
         return "implementation='chunked'"
-    if attention_mask is not None:
-        return "cuDNN's attention here takes no attention mask but a causal one"
     if causal and q.shape[2] != k.shape[2]:
         return f"a causal mask needs as many queries as keys (got {q.shape[2]} and {k.shape[2]})"
-    if layer._dropout > 0.0 and training:
-        return "cuDNN's attention here does not drop attention probabilities while training"
-    reason = _cudnn_attention.supported(q, k, v)
+    if attention_mask is not None:
+        rank = attention_mask.shape.rank
+        if rank is None or not 2 <= rank <= 4:
+            return f"its attention mask must be of rank 2 to 4 (got shape {attention_mask.shape})"
+    reason = _cudnn_attention.supported(q, k, v, bias=attention_mask is not None, training=True)  # the gradient may be asked for
     if reason is None and not _cudnn_attention.in_xla_on_gpu(q):
         reason = "it runs only inside a step XLA compiles for a GPU (compile with jit_compile=True on a GPU)"
     return reason
+
+
+def _take_causal(layer) -> bool:
+    """Whether the layer's decoder block said, just before this call, that the
+    mask it passed leaves out the causal part (`split_causal_mask`)."""
+    causal = getattr(layer, "_kvram_split_causal", False)
+    layer._kvram_split_causal = False
+    return causal
+
+
+def _layer_seed(layer) -> int:
+    """cuDNN's dropout seed for `layer`: fixed for the layer (by its path), apart
+    from every other layer's."""
+    import zlib
+
+    return zlib.crc32(str(getattr(layer, "path", None) or layer.name).encode()) & 0x7FFFFFFF
+
+
+def split_causal_mask(decoder, attention_layer) -> None:
+    """Makes a KerasHub decoder block (GPT-2's `TransformerDecoder`, Llama's
+    `LlamaTransformerDecoder`) hand its self-attention layer the padding (and
+    any explicit) mask alone, and tell the layer that the attention is causal,
+    in place, when it decodes without a cache (training). The layer then asks
+    cuDNN for its causal kernel, which skips the masked half of the scores,
+    instead of masking a merged (T, S) mask. A query row with no allowed key (a
+    padded position whose earlier keys are all padding) spreads evenly over
+    its earlier keys rather than over all keys: only padded positions, which
+    carry no loss, see it."""
+    from keras_hub.src.layers.modeling.transformer_layer_utils import merge_padding_and_attention_mask
+
+    own = type(decoder)._compute_self_attention_mask
+
+    def compute_self_attention_mask(**kwargs):
+        if kwargs.get("self_attention_cache") is None and kwargs.get("use_causal_mask", True):
+            attention_layer._kvram_split_causal = True
+            return merge_padding_and_attention_mask(
+                kwargs["decoder_sequence"], kwargs["decoder_padding_mask"], kwargs["decoder_attention_mask"])
+        return own(decoder, **kwargs)
+
+    decoder._compute_self_attention_mask = compute_self_attention_mask
+
+
+def make_efficient_grouped(layer, chunk_size: int = 512, implementation: str = "auto") -> None:
+    """Makes a KerasHub Llama attention layer (`LlamaAttention`: rotary
+    embeddings applied, keys and values repeated to the queries' heads) compute
+    its attention as `MemoryEfficientAttention` does, in place, with cuDNN's
+    grouped-query attention where it runs: the repeated keys and values are
+    taken back to their own heads (a strided slice XLA folds into the repeat)."""
+    chunk_size, implementation = check_arguments(chunk_size, implementation)
+    groups = int(layer.num_key_value_groups)
+
+    def compute_attention(query, key, value, attention_mask=None, **kwargs):
+        q = tf.transpose(query, [0, 2, 1, 3])
+        k = tf.transpose(key[:, :, ::groups], [0, 2, 1, 3])
+        v = tf.transpose(value[:, :, ::groups], [0, 2, 1, 3])
+        causal = _take_causal(layer)
+        return _attend_heads(layer, q, k, v, attention_mask, causal, 0.0, float(layer._inv_norm_factor),
+                             chunk_size, implementation, None)[0]
+
+    layer._compute_attention = compute_attention
+    layer._kvram_efficient = (chunk_size, implementation)
 
 
 def _symbolic() -> bool:

@@ -438,6 +438,7 @@ class Model(keras.Model):
         if self._micro_batch_size is None:
             gradients, y_pred = _step.slice_gradients(self, x, y, sample_weight)
         else:
+            y_pred = None
             gradients = _step.micro_batch_gradients(self, state, x, y, sample_weight, self._micro_batch_size)
         if self.trainable_weights:
             finite = _step.all_finite(gradients)
@@ -451,7 +452,9 @@ class Model(keras.Model):
             )
         else:
             warnings.warn("The model does not have any trainable weights.")
-        if self._micro_batch_size is None:
+        if getattr(self, "_kvram_fused_head", None) is not None:  # no logits: the loss alone
+            logs = {"loss": self._loss_tracker.result()}
+        elif self._micro_batch_size is None:
             logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         else:
             logs = self.get_metrics_result()

@@ -120,14 +120,19 @@ def slice_gradients(model, x, y, sample_weight, scale=None):
     `scale` (the slice's share of the batch's rows) multiplies the loss, so
     that the slices' gradients add up to the batch's.
     """
+    head = getattr(model, "_kvram_fused_head", None)  # kvram.speed.fused_cross_entropy
     with tf.GradientTape() as tape:
-        if model._call_has_training_arg:
-            y_pred = model(x, training=True)
+        if head is not None:
+            y_pred = None
+            loss = head.loss(x, y, sample_weight)
         else:
-            y_pred = model(x)
-        loss = model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
+            if model._call_has_training_arg:
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            loss = model._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
         model._loss_tracker.update_state(
             loss_module.unscale_loss_for_distribution(loss),
             sample_weight=rows_of(x),
@@ -171,7 +176,8 @@ def micro_batch_gradients(model, state, x, y, sample_weight, micro_batch_size):
     def add_slice(sums, part, size):
         xs, ys, sws = part
         gradients, y_pred = slice_fn(xs, ys, sws, tf.cast(size, tf.float32) / total)
-        model.compute_metrics(xs, ys, y_pred, sample_weight=sws)
+        if y_pred is not None:
+            model.compute_metrics(xs, ys, y_pred, sample_weight=sws)
         present[:] = [g is not None for g in gradients]
         return [s if g is None else s + dense(g) for s, g in zip(sums, gradients)]
 

@@ -1,0 +1,170 @@
+"""kvram.speed.fused_cross_entropy: the head and its loss in chunks, equal to Keras's."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from kvram._cross_entropy import linear_cross_entropy
+from tests.helpers import max_rel_diff
+
+
+def keras_reference(hidden, kernel, labels, weights, bias=None, transposed=False):
+    logits = tf.matmul(hidden, kernel, transpose_b=transposed)
+    if bias is not None:
+        logits = logits + bias
+    values = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    return tf.reduce_sum(values * weights)
+
+
+@pytest.mark.parametrize("transposed,with_bias,chunk", [(False, True, 4), (True, False, 5), (False, False, 64)])
+def test_linear_cross_entropy_equals_keras_in_float32(transposed, with_bias, chunk):
+    """Values and gradients (hidden, kernel, bias) within 1e-5 in float32, with
+    padding weights, for a chunk that divides the rows, one that does not and
+    one larger than them."""
+    rng = np.random.default_rng(0)
+    hidden = tf.constant(rng.standard_normal((3, 7, 16)), tf.float32)
+    kernel = tf.Variable(rng.standard_normal((40, 16) if transposed else (16, 40)) * 0.3, dtype=tf.float32)
+    bias = tf.Variable(rng.standard_normal(40) * 0.1, dtype=tf.float32) if with_bias else None
+    labels = tf.constant(rng.integers(0, 40, (3, 7)), tf.int32)
+    weights = np.ones((3, 7), np.float32)
+    weights[1, :3] = 0  # padding
+    weights[2, 5:] = 0
+    sources = [hidden, kernel] + ([bias] if with_bias else [])
+
+    def grads(fn):
+        with tf.GradientTape() as tape:
+            tape.watch(hidden)
+            value = fn()
+        return [value] + tape.gradient(value, sources)
+
+    theirs = grads(lambda: keras_reference(hidden, kernel, labels, weights, bias, transposed))
+    ours = grads(lambda: linear_cross_entropy(hidden, kernel, labels, weights, bias=bias, transposed=transposed,
+                                              chunk_size=chunk))
+    assert max_rel_diff(theirs, ours) < 1e-5
+    jitted = tf.function(lambda: grads(lambda: linear_cross_entropy(
+        hidden, kernel, labels, weights, bias=bias, transposed=transposed, chunk_size=chunk)), jit_compile=True)()
+    assert max_rel_diff(theirs, jitted) < 1e-5
+
+
+def small_causal_lm(kind):
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    if kind == "gpt2":
+        backbone = keras_hub.models.GPT2Backbone(vocabulary_size=48, num_layers=1, num_heads=2, hidden_dim=16,
+                                                 intermediate_dim=32, max_sequence_length=12, dropout=0.0)
+        return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=48, num_layers=1, num_query_heads=4,
+                                              num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+                                              tie_word_embeddings=False)
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def batch():
+    rng = np.random.default_rng(1)
+    padding = np.ones((4, 10), "int32")
+    padding[1, 7:] = 0
+    x = {"token_ids": rng.integers(0, 48, (4, 10)).astype("int32"), "padding_mask": padding}
+    y = rng.integers(0, 48, (4, 10)).astype("int32")
+    return x, y, padding.astype("float32")
+
+
+def loss_and_gradients(model, x, y, weight, fused):
+    x = {k: tf.constant(v) for k, v in x.items()}
+    with tf.GradientTape() as tape:
+        if fused:
+            loss = model._kvram_fused_head.loss(x, tf.constant(y), tf.constant(weight))
+        else:
+            loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True), sample_weight=weight)
+    return [loss] + [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_weights)]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
+def test_kerashub_causal_lms_fused_loss_equals_keras(kind, reduction):
+    """A small KerasHub GPT2CausalLM (tied ReversibleEmbedding head) and
+    LlamaCausalLM (untied): the fused loss and every gradient equal Keras's
+    compute_loss within 1e-5 in float32, padding tokens weighted 0."""
+    model = small_causal_lm(kind)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction),
+                  optimizer="sgd")
+    x, y, weight = batch()
+    theirs = loss_and_gradients(model, x, y, weight, fused=False)
+    with pytest.warns(UserWarning, match="log the loss alone"):  # CausalLM's SparseCategoricalAccuracy
+        assert kvram.speed.fused_cross_entropy(model, chunk_size=7) == 1
+    assert model._kvram_fused_head.transposed == (kind == "gpt2")
+    ours = loss_and_gradients(model, x, y, weight, fused=True)
+    # The attention's key bias has an analytically zero gradient (softmax is
+    # shift-invariant per row): it is compared against the overall scale.
+    assert max_rel_diff(theirs, ours, per_tensor=False) < 1e-5
+    zero = [i for i, g in enumerate(theirs) if float(tf.reduce_max(tf.abs(g))) < 1e-9]
+    assert max_rel_diff([g for i, g in enumerate(theirs) if i not in zero],
+                        [g for i, g in enumerate(ours) if i not in zero]) < 1e-5
+    assert len(zero) <= 1
+
+
+@pytest.mark.parametrize("cls", ["keras", "kvram"])
+def test_fit_with_the_fused_loss_trains_as_keras_does(cls):
+    """A functional model ending in Dense(vocabulary) (a keras.Model and a
+    kvram.Model): two fit() epochs with the fused loss end at Keras's weights
+    within 1e-5 (float32, SGD), the logged loss equal too; predict still
+    returns the logits."""
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((10,), dtype="int32")
+        h = keras.layers.Embedding(48, 16)(inputs)
+        h = keras.layers.Dense(16, activation="tanh")(h)
+        logits = keras.layers.Dense(48)(h)
+        model = (keras.Model if cls == "keras" else kvram.Model)(inputs, logits)
+        model.compile(optimizer=keras.optimizers.SGD(0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 48, (16, 10)).astype("int32")
+    y = np.roll(x, 1, axis=1)
+    w = np.ones((16, 10), "float32")
+    w[:, :2] = 0
+    plain, fused = build(), build()
+    kvram.speed.fused_cross_entropy(fused, chunk_size=24)
+    a = plain.fit(x, y, sample_weight=w, batch_size=8, epochs=2, verbose=0, shuffle=False).history["loss"]
+    b = fused.fit(x, y, sample_weight=w, batch_size=8, epochs=2, verbose=0, shuffle=False).history["loss"]
+    assert np.allclose(a, b, rtol=1e-5) and a[1] < a[0]
+    assert max_rel_diff(plain.get_weights(), fused.get_weights()) < 1e-5
+    assert fused.predict(x[:2], verbose=0).shape == (2, 10, 48)
+
+
+def test_fused_cross_entropy_says_what_it_cannot_take():
+    """Clear errors: not compiled, another loss, probabilities, ignore_class,
+    compiled metrics, a head with an activation, a soft cap, a bad chunk."""
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(8)(inputs))
+    with pytest.raises(ValueError, match="call model.compile"):
+        kvram.speed.fused_cross_entropy(model)
+    model.compile(loss="mse")
+    with pytest.raises(ValueError, match="compiled with loss='mse'"):
+        kvram.speed.fused_cross_entropy(model)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy())
+    with pytest.raises(ValueError, match="from_logits=True.*Received: from_logits=False"):
+        kvram.speed.fused_cross_entropy(model)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
+    with pytest.raises(ValueError, match="ignore_class=0"):
+        kvram.speed.fused_cross_entropy(model)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    with pytest.warns(UserWarning, match="log the loss alone; the compiled metrics are computed by evaluate"):
+        kvram.speed.fused_cross_entropy(model)
+    softmax = keras.Model(inputs, keras.layers.Dense(8, activation="softmax")(inputs))
+    softmax.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="without activation.*'softmax'"):
+        kvram.speed.fused_cross_entropy(softmax)
+    other = keras.Model(inputs, keras.layers.Activation("linear")(inputs))
+    other.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="Received: Activation"):
+        kvram.speed.fused_cross_entropy(other)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="chunk_size"):
+        kvram.speed.fused_cross_entropy(model, chunk_size=0)
+    with pytest.raises(TypeError, match="Keras model"):
+        kvram.speed.fused_cross_entropy(keras.layers.Dense(2))
