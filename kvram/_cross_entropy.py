@@ -171,6 +171,13 @@ def compiled_loss(model):
     return loss
 
 
+class _Node:
+    """A head's call inside a part, with the outer tensor that feeds the part."""
+
+    def __init__(self, node, outer_input):
+        self.arguments, self.input_tensors = node.arguments, [outer_input]
+
+
 def head_of(model, chunk_size) -> Head:
     """The model's head (see `Head`), or a ValueError saying why it has none."""
     from keras.src.models.functional import Functional
@@ -182,6 +189,14 @@ def head_of(model, chunk_size) -> Head:
             + ("" if not isinstance(model, Functional) else f" with {len(model.outputs)} outputs"))
     operation, node_index, _ = model.outputs[0]._keras_history
     node = operation._inbound_nodes[node_index]
+    # A part of its own around the head (what remat.rebuild makes of a head
+    # that is one segment of the chain): the head inside, the part's input its input
+    while isinstance(operation, Functional) and len(operation.inputs) == 1 and len(operation.outputs) == 1:
+        inner, inner_index, _ = operation.outputs[0]._keras_history
+        inner_node = inner._inbound_nodes[inner_index]
+        if len(inner_node.input_tensors) != 1 or inner_node.input_tensors[0] is not operation.inputs[0]:
+            break
+        operation, node = inner, _Node(inner_node, node.input_tensors[0])
     reversible = isinstance(operation, keras.layers.ReversibleEmbedding) and (
         node.arguments.kwargs.get("reverse") or (len(node.arguments.args) > 1 and node.arguments.args[1]))
     if isinstance(operation, keras.layers.Dense):

@@ -168,3 +168,23 @@ def test_fused_cross_entropy_says_what_it_cannot_take():
         kvram.speed.fused_cross_entropy(model, chunk_size=0)
     with pytest.raises(TypeError, match="Keras model"):
         kvram.speed.fused_cross_entropy(keras.layers.Dense(2))
+
+
+def test_a_head_in_a_checkpointed_rebuild_is_found():
+    """remat.rebuild puts the head in a part of its own: fused_cross_entropy
+    finds it there, and the loss equals Keras's."""
+    from kvram import remat
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(32, 8)(inputs)
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(32, name="head")(h))
+    chain = remat.segments(model)
+    rebuilt = remat.rebuild(model, [[i] for i in range(len(chain))], [True] * (len(chain) - 1) + [False])
+    rebuilt.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).integers(0, 32, (4, 6)).astype("int32")
+    expected = rebuilt.compute_loss(x=x, y=x, y_pred=rebuilt(x))
+    kvram.speed.fused_cross_entropy(rebuilt)
+    assert rebuilt._kvram_fused_head.layer.name == "head"
+    assert abs(float(rebuilt._kvram_fused_head.loss(tf.constant(x), tf.constant(x), None)) - float(expected)) < 1e-5

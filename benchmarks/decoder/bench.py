@@ -1,17 +1,24 @@
-"""A GPT-2-medium-shaped decoder on one GPU: plain Keras, kvram and PyTorch, in one run.
+"""Decoders on one GPU: plain Keras, kvram and PyTorch, in one run.
 
-TensorFlow: KerasHub's `GPT2Backbone` built from a config (nothing downloaded: 24
-layers, hidden 1024, 16 heads, MLP 4096, vocabulary 50257, dropout 0.1) with a
-Dense LM head. PyTorch: Hugging Face `transformers`' `GPT2LMHeadModel` of the same
-config, with an untied LM head so that both hold the same 406 M parameters, SDPA
-attention. Both: mixed bf16, AdamW (lr 1e-4), one synthetic batch of token ids
-(TensorFlow's held by `tf.data` on the host and copied every step, PyTorch's on
-the GPU). Each configuration runs in its own process and reports tokens/s over
-the timed steps, the allocator's peak during them, and the model FLOPs
-utilisation: tokens/s x (6 N + 12 L d T) FLOPs per token over `--peak-tflops`
-(989: the H200's dense bf16).
+`--model gpt2` (the default): GPT-2-medium's shape (24 layers, hidden 1024, 16
+heads, MLP 4096, vocabulary 50257, dropout 0.1). `--model llama`: a Llama of
+about 1.2 B parameters (16 layers, hidden 2048, 32 query and 8 key/value heads,
+intermediate 8192, vocabulary 128256, no dropout). Both with tied heads.
+TensorFlow: KerasHub's `GPT2Backbone` / `LlamaBackbone` built from a config
+(nothing downloaded) with its tied `ReversibleEmbedding` head, as
+`GPT2CausalLM` / `LlamaCausalLM` compute it. PyTorch: Hugging Face `transformers`' `GPT2LMHeadModel` /
+`LlamaForCausalLM` of the same config, SDPA attention, fused AdamW, eager or
+under `torch.compile`, with or without `gradient_checkpointing_enable()`. Both:
+bf16 (Keras's mixed_bfloat16, PyTorch's autocast), AdamW (lr 1e-4), one
+synthetic batch of token ids. Each configuration runs in its own process and
+reports tokens/s over the timed steps, the allocator's peak during them, and
+the model FLOPs utilisation: tokens/s x (6 N + 12 L d T) FLOPs per token over
+`--peak-tflops` (989: the H200's dense bf16), N the parameters (a tied head
+counted once).
 
     python benchmarks/decoder/bench.py --out benchmarks/results/decoder_h200.json
+    python benchmarks/decoder/bench.py --model llama --batch 4 --sequence 2048 \\
+        --out benchmarks/results/decoder_llama_h200.json
     python benchmarks/decoder/bench.py --only kvram_fast --batch 1 --sequence 64 --layers 2 --steps 2 \\
         --warmup 1 --device CPU:0
 """
@@ -26,17 +33,21 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import add_xla_flags, set_kvram_switches, timed_fit, timed_torch_steps, training_main  # noqa: E402
 
-SHAPE = dict(vocabulary_size=50257, num_layers=24, num_heads=16, hidden_dim=1024, intermediate_dim=4096, dropout=0.1)
+SHAPES = {
+    "gpt2": dict(vocabulary_size=50257, num_layers=24, num_heads=16, hidden_dim=1024, intermediate_dim=4096,
+                 dropout=0.1),
+    "llama": dict(vocabulary_size=128256, num_layers=16, num_query_heads=32, num_key_value_heads=8, hidden_dim=2048,
+                  intermediate_dim=8192, tie_word_embeddings=True),
+}
 
 # name: (framework, label, settings)
 CONFIGS = {
-    "keras_bf16": ("tf", "plain Keras: KerasHub GPT2Backbone and a Dense LM head, mixed_bfloat16, XLA",
-                   dict(plain=True)),
-    "kvram_fast": ("tf", "kvram.Model, efficient_attention (one chunk), lean_activations",
-                   dict(attention=True, lean=True)),
+    "keras_bf16": ("tf", "plain Keras: KerasHub backbone and tied head, mixed_bfloat16, XLA", dict(plain=True)),
+    "kvram_fast": ("tf", "kvram.Model, efficient_attention (cuDNN), lean_activations, fused_cross_entropy",
+                   dict(attention=True, lean=True, fused=True)),
     "kvram_lean": ("tf", "kvram, the same with a Checkpoint on every decoder block",
-                   dict(attention=True, lean=True, checkpoint=True)),
-    "torch_compile": ("torch", "PyTorch torch.compile(transformers GPT2LMHeadModel), bf16 autocast, SDPA, fused AdamW",
+                   dict(attention=True, lean=True, fused=True, checkpoint=True)),
+    "torch_compile": ("torch", "PyTorch torch.compile(transformers model), bf16 autocast, SDPA, fused AdamW",
                       dict(compile=True)),
     "torch_compile_ckpt": ("torch", "PyTorch, the same with gradient checkpointing per block",
                            dict(compile=True, checkpoint=True)),
@@ -44,7 +55,10 @@ CONFIGS = {
 
 
 def _shape(args) -> dict:
-    return dict(SHAPE, num_layers=args.layers, max_sequence_length=max(args.sequence, 1024))
+    shape = dict(SHAPES[args.model], num_layers=args.layers or SHAPES[args.model]["num_layers"])
+    if args.model == "gpt2":
+        shape["max_sequence_length"] = max(args.sequence, 1024)
+    return shape
 
 
 def build(settings, args):
@@ -64,10 +78,11 @@ def build(settings, args):
         kvram.speed.tensordot_einsum(enable=False)
     keras.utils.set_random_seed(0)
     shape = _shape(args)
-    backbone = keras_hub.models.GPT2Backbone(**shape)
-    logits = keras.layers.Dense(shape["vocabulary_size"], use_bias=False, dtype="float32", name="lm_head")(
-        backbone.output)
-    model = keras.Model(backbone.input, logits, name="gpt2_medium")
+    backbone = (keras_hub.models.GPT2Backbone if args.model == "gpt2" else keras_hub.models.LlamaBackbone)(**shape)
+    # What GPT2CausalLM / LlamaCausalLM compute (the tied head), as one
+    # functional graph of the backbone's layers, which remat.segments can cut
+    logits = backbone.token_embedding(backbone.output, reverse=True)
+    model = keras.Model(backbone.input, logits, name=f"{args.model}_causal_lm")
     rng = np.random.default_rng(0)
     batch, sequence = args.batch, args.sequence
     x = {"token_ids": tf.constant(rng.integers(0, shape["vocabulary_size"], (batch, sequence)), tf.int32),
@@ -85,12 +100,15 @@ def build(settings, args):
         model = kvram.Model(model.input, model.output, name=model.name)
     model.compile(optimizer=keras.optimizers.AdamW(1e-4),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    if settings.get("fused"):
+        kvram.speed.fused_cross_entropy(model)
     return model, tf.data.Dataset.from_tensors((x, y)).repeat()
 
 
 def _measured(tokens_per_s, parameters, args) -> dict:
     """tokens/s with the model FLOPs utilisation it is (the module docstring's formula)."""
-    flops = 6 * parameters + 12 * args.layers * SHAPE["hidden_dim"] * args.sequence
+    shape = _shape(args)
+    flops = 6 * parameters + 12 * shape["num_layers"] * shape["hidden_dim"] * args.sequence
     return {"tokens_per_s": tokens_per_s, "parameters": parameters, "flops_per_token": flops,
             "mfu": tokens_per_s * flops / (args.peak_tflops * 1e12)}
 
@@ -116,20 +134,31 @@ def torch_step(settings, args):
 
     cuda = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=SHAPE["vocabulary_size"], n_positions=max(args.sequence, 1024), n_embd=SHAPE["hidden_dim"],
-        n_layer=args.layers, n_head=SHAPE["num_heads"], n_inner=SHAPE["intermediate_dim"],
-        resid_pdrop=SHAPE["dropout"], embd_pdrop=SHAPE["dropout"], attn_pdrop=SHAPE["dropout"],
-        tie_word_embeddings=False,
-    )
-    model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="sdpa").to(cuda)
+    shape = _shape(args)
+    if args.model == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=shape["vocabulary_size"], n_positions=shape["max_sequence_length"], n_embd=shape["hidden_dim"],
+            n_layer=shape["num_layers"], n_head=shape["num_heads"], n_inner=shape["intermediate_dim"],
+            resid_pdrop=shape["dropout"], embd_pdrop=shape["dropout"], attn_pdrop=shape["dropout"],
+            tie_word_embeddings=True,
+        )
+        cls = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=shape["vocabulary_size"], hidden_size=shape["hidden_dim"],
+            intermediate_size=shape["intermediate_dim"], num_hidden_layers=shape["num_layers"],
+            num_attention_heads=shape["num_query_heads"], num_key_value_heads=shape["num_key_value_heads"],
+            max_position_embeddings=max(args.sequence, 2048), tie_word_embeddings=True,
+        )
+        cls = transformers.LlamaForCausalLM
+    model = cls._from_config(config, attn_implementation="sdpa").to(cuda)
     model.train()
     if settings.get("checkpoint"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda == "cuda")
     compiled = torch.compile(model) if settings.get("compile") else model
-    x = torch.randint(0, SHAPE["vocabulary_size"], (args.batch, args.sequence), device=cuda)
-    y = torch.randint(0, SHAPE["vocabulary_size"], (args.batch, args.sequence), device=cuda)
+    x = torch.randint(0, shape["vocabulary_size"], (args.batch, args.sequence), device=cuda)
+    y = torch.randint(0, shape["vocabulary_size"], (args.batch, args.sequence), device=cuda)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -156,14 +185,15 @@ def run_torch(settings, args):
 
 def _arguments(parser):
     parser.add_argument("--sequence", type=int, default=1024, help="tokens per row")
-    parser.add_argument("--layers", type=int, default=SHAPE["num_layers"], help="decoder blocks (fewer: a smoke run)")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="gpt2", help="the decoder's shape")
+    parser.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the shape's; fewer: a smoke run)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 TFLOP/s, for MFU")
 
 
 def main():
     training_main(__doc__, __file__, "gpt2_medium-train", CONFIGS, {"tf": run_tf, "torch": run_torch},
                   {"batch": 8, "steps": 32, "warmup": 16}, rate="tokens_per_s", extra_arguments=_arguments,
-                  describe_run=lambda args: {"sequence": args.sequence, "layers": args.layers,
+                  describe_run=lambda args: {"model": args.model, "shape": _shape(args), "sequence": args.sequence,
                                              "peak_tflops": args.peak_tflops})
 
 
