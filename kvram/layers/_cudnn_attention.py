@@ -14,13 +14,12 @@ forward (q, k, v[, bias]) -> (out, float32 softmax statistics, workspace);
 backward (q, k, v, statistics, d_out[, bias], out) -> (dq, dk, dv, workspace).
 Grouped-query attention is cuDNN's own: k and v may have fewer heads than q.
 
-Dropout: cuDNN draws its drop mask from the `seed` in the configuration and an
-offset that XLA's cuDNN thunk advances by the same amount each time it runs
-(`CudnnGraph::UpdateDropoutState`), the forward's and the backward's thunks
-apart. In the n-th step of a compiled function each of them has run n times, so
-the backward regenerates the forward's mask, and a forward recomputed for a
-`Checkpoint` (another thunk, run once a step too) draws the same one. A new
-compilation starts the offsets at zero again.
+Dropout: the calls with dropout (`...SoftmaxDropout`, rate and seed in the
+configuration) are traced as XLA expects them, but a step that runs one ends
+the process with a segmentation fault under TensorFlow 2.21 on an H200 (every
+case with dropout, with or without a causal mask or a bias; the same cases
+without dropout run), so `cudnn_attention` refuses a rate above 0 and
+`MemoryEfficientAttention` computes attention dropout in its chunks.
 """
 
 from __future__ import annotations
@@ -32,6 +31,8 @@ import tensorflow as tf
 # Tensor-core engine 0 with the knobs XLA's rewriter sets (cudnn_fused_mha_rewriter.cc).
 _ALGORITHM = {"algo_id": "0", "math_type": "TENSOR_OP_MATH", "tuning_knobs": {"17": "1", "24": "0"},
               "is_cudnn_frontend": True, "workspace_size": "0"}
+NO_DROPOUT = ("cuDNN's attention with dropout crashes TensorFlow 2.21's XLA runtime (a segmentation fault on an "
+              "H200), so attention dropout while training runs in the chunks")
 _DTYPES = {tf.bfloat16: "BF16", tf.float16: "F16"}
 
 
@@ -116,7 +117,8 @@ def bias_from_mask(mask, dtype, q_len, k_len):
     return tf.stop_gradient(tf.where(mask, tf.zeros([], dtype), tf.constant(negative, dtype)))
 
 
-def cudnn_attention(q, k, v, scale: float, causal: bool = False, bias=None, dropout: float = 0.0, seed: int = 42):
+def cudnn_attention(q, k, v, scale: float, causal: bool = False, bias=None, dropout: float = 0.0, seed: int = 42,
+                    allow_dropout: bool = False):
     """softmax(scale q k^T + bias [causal]) v by cuDNN, for (B, N, T, H) q and
     (B, Nk, S, H) k, v (N a multiple of Nk: grouped-query attention) of one
     float16/bfloat16 dtype, traced inside an XLA-compiled function that runs on
@@ -124,8 +126,9 @@ def cudnn_attention(q, k, v, scale: float, causal: bool = False, bias=None, drop
 
     `bias`: None or (B or 1, N or 1, T, S) in q's dtype (`bias_from_mask`); it
     gets no gradient. `dropout`: the rate at which probabilities are dropped
-    (kept ones scaled by 1 / (1 - rate)), by cuDNN with the integer `seed` (see
-    the module's docstring). The backward pass is cuDNN's too: it keeps the
+    (kept ones scaled by 1 / (1 - rate)), by cuDNN with the integer `seed`;
+    refused (a ValueError) unless `allow_dropout`, which only traces the calls
+    (see the module's docstring: running them crashes). The backward pass is cuDNN's too: it keeps the
     output and the float32 softmax statistics (B, N, T), never the (T, S)
     probabilities."""
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
@@ -135,6 +138,8 @@ def cudnn_attention(q, k, v, scale: float, causal: bool = False, bias=None, drop
         raise ValueError(f"cuDNN attention cannot run here: {reason}.")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1). Received: {dropout}")
+    if dropout and not allow_dropout:
+        raise ValueError(f"cuDNN attention cannot run here: {NO_DROPOUT}. Received: dropout={dropout}")
     b, n, t, h = q.shape
     nk, s = k.shape[1], k.shape[2]
     extra = []

@@ -41,8 +41,8 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
     8 up to 128, static shapes (batches of one size: a `tf.data` batch with
     `drop_remainder=True`), a causal mask over equal lengths, an attention mask
     of any shape Keras takes (as an additive bias; then even lengths while
-    training), attention dropout inside the kernel (its drop mask drawn by
-    cuDNN). It too keeps no n x n scores. Where cuDNN cannot take a case,
+    training), no attention dropout while training (see
+    `_cudnn_attention.NO_DROPOUT`). It too keeps no n x n scores. Where cuDNN cannot take a case,
     "auto" uses the chunks and "cudnn" raises a `ValueError` saying why.
     ViT-B/16, batch 256, one H200: see the Benchmarks page (`kvram_fast`).
 
@@ -197,6 +197,8 @@ def _why_not_cudnn(implementation, q, k, v, attention_mask, causal, dropout):
         rank = attention_mask.shape.rank
         if rank is None or not 2 <= rank <= 4:
             return f"its attention mask must be of rank 2 to 4 (got shape {attention_mask.shape})"
+    if dropout:
+        return _cudnn_attention.NO_DROPOUT
     reason = _cudnn_attention.supported(q, k, v, bias=attention_mask is not None, training=True)  # the gradient may be asked for
     if reason is None and not _cudnn_attention.in_xla_on_gpu(q):
         reason = "it runs only inside a step XLA compiles for a GPU (compile with jit_compile=True on a GPU)"
