@@ -358,6 +358,7 @@ def kerashub_decoder(kind, dropout=0.0, length=128):
     return model, x
 
 
+@pytest.mark.slow  # KerasHub backbones traced with their gradients
 @pytest.mark.parametrize("kind,dropout,target", [
     ("gpt2", 0.1, None),  # attention dropout: the chunks (cudnn_attention.NO_DROPOUT)
     ("gpt2", 0.0, "__cudnn$fmhaScaleBiasSoftmax"),
@@ -408,6 +409,7 @@ def test_kerashub_decoders_take_cudnns_causal_kernel_with_the_padding_as_a_bias(
     assert len(seeds) == 2
 
 
+@pytest.mark.slow  # eager and XLA-compiled KerasHub backbones
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_kerashub_decoders_with_split_causal_masks_equal_their_own_attention(kind):
     """Off a GPU (the chunks), GPT-2's and Llama's backbones with

@@ -81,6 +81,7 @@ def loss_and_gradients(model, x, y, weight, fused):
     return [loss] + [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_weights)]
 
 
+@pytest.mark.slow  # KerasHub models, several seconds each on 2 cores
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
 def test_kerashub_causal_lms_fused_loss_equals_keras(kind, reduction):
@@ -105,6 +106,7 @@ def test_kerashub_causal_lms_fused_loss_equals_keras(kind, reduction):
     assert len(zero) <= 1
 
 
+@pytest.mark.slow  # two fit() runs each
 @pytest.mark.parametrize("cls", ["keras", "kvram"])
 def test_fit_with_the_fused_loss_trains_as_keras_does(cls):
     """A functional model ending in Dense(vocabulary) (a keras.Model and a
