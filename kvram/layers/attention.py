@@ -149,8 +149,7 @@ def _attend_heads(layer, q, k, v, attention_mask, causal, dropout, scale, chunk_
         bias = None
         if attention_mask is not None:
             bias = _cudnn_attention.bias_from_mask(_as_score_mask(attention_mask), q.dtype, q.shape[2], k.shape[2])
-        out = _cudnn_attention.cudnn_attention(q, k, v, scale, causal=causal, bias=bias, dropout=dropout,
-                                               seed=_layer_seed(layer))
+        out = _cudnn_attention.cudnn_attention(q, k, v, scale, causal=causal, bias=bias)  # no dropout here
         return tf.transpose(out, [0, 2, 1, 3]), None
     if implementation == "cudnn" and not _symbolic():
         raise ValueError(f"MemoryEfficientAttention(implementation='cudnn') cannot run here: {why_not}.")
@@ -211,14 +210,6 @@ def _take_causal(layer) -> bool:
     causal = getattr(layer, "_kvram_split_causal", False)
     layer._kvram_split_causal = False
     return causal
-
-
-def _layer_seed(layer) -> int:
-    """cuDNN's dropout seed for `layer`: fixed for the layer (by its path), apart
-    from every other layer's."""
-    import zlib
-
-    return zlib.crc32(str(getattr(layer, "path", None) or layer.name).encode()) & 0x7FFFFFFF
 
 
 def split_causal_mask(decoder, attention_layer) -> None:
