@@ -333,9 +333,8 @@ def fused_cross_entropy(model: keras.Model, chunk_size: int = 1024) -> int:
         ValueError: the model has no such head, is not compiled with that
             loss, or `chunk_size` is not an int >= 1.
     """
-    from kvram import _checks, _cross_entropy
-    from kvram.training import _model
-
+    from kvram import _checks
+    from kvram.layers import _cross_entropy
     chunk_size = _checks.positive_int("chunk_size", chunk_size)
     if not isinstance(model, keras.Model):
         raise TypeError(f"fused_cross_entropy expects a Keras model. Received: model={model!r}")
@@ -348,9 +347,15 @@ def fused_cross_entropy(model: keras.Model, chunk_size: int = 1024) -> int:
         warnings.warn(
             "fused_cross_entropy trains without logits, so training steps log the loss alone; the compiled "
             "metrics are computed by evaluate() and on validation data as before.", stacklevel=2)
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    step = type(model).train_step
+    if not getattr(type(model), "_kvram_fused_head_aware", False) and step is not TensorFlowTrainer.train_step:
+        raise ValueError(f"fused_cross_entropy replaces Keras's own train_step, and {type(model).__name__} "
+                         "overrides it: move the custom logic into call() or compute_loss().")
     head = _cross_entropy.head_of(model, chunk_size)
     model._kvram_fused_head = head
-    if not isinstance(model, _model.Model):
+    if not getattr(type(model), "_kvram_fused_head_aware", False):
         model.train_step = _fused_train_step(model, head)
     model.train_function = None
     return 1

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import kvram
-from kvram._cross_entropy import linear_cross_entropy
+from kvram.layers._cross_entropy import linear_cross_entropy
 from tests.helpers import max_rel_diff
 
 
@@ -170,6 +170,15 @@ def test_fused_cross_entropy_says_what_it_cannot_take():
         kvram.speed.fused_cross_entropy(model, chunk_size=0)
     with pytest.raises(TypeError, match="Keras model"):
         kvram.speed.fused_cross_entropy(keras.layers.Dense(2))
+
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return {}
+
+    custom = Custom(inputs, keras.layers.Dense(8)(inputs))
+    custom.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="Custom overrides it"):
+        kvram.speed.fused_cross_entropy(custom)
 
 
 def test_a_head_in_a_checkpointed_rebuild_is_found():

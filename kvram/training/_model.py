@@ -431,6 +431,9 @@ class Model(keras.Model):
             self.test_function = _train_function.distributed_test_function(self)
         return self.test_function
 
+    # its step computes the loss of kvram.speed.fused_cross_entropy's head itself
+    _kvram_fused_head_aware = True
+
     def train_step(self, data):
         # Keras's TensorFlowTrainer.train_step, with the gradient handling below.
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
