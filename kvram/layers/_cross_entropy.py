@@ -85,14 +85,11 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
              tf.zeros(w.shape, tf.float32), tf.zeros([vocabulary], tf.float32)),
             parallel_iterations=1,
         )
-        dh = tf.reshape(dh.stack(), [-1, d])[:rows]
-        dh = tf.cast(tf.reshape(dh, tf.shape(h)), h.dtype)
-        dw = tf.cast(dw, w.dtype)
+        dh = tf.reshape(tf.reshape(dh.stack(), [-1, d])[:rows], tf.shape(h))  # float32 until scaled
 
         def grad(upstream):
             upstream = tf.cast(upstream, tf.float32)
-            grads = [tf.cast(tf.cast(dh, tf.float32) * upstream, h.dtype), tf.cast(tf.cast(dw, tf.float32) * upstream,
-                                                                                   w.dtype)]
+            grads = [tf.cast(dh * upstream, h.dtype), tf.cast(dw * upstream, w.dtype)]
             if b is not None:
                 grads.append(tf.cast(db * upstream, b.dtype))
             return grads
