@@ -82,3 +82,25 @@ def import_tensorflow_quietly() -> None:
 
         # The first device query loads the CUDA driver (or fails to: cuInit's error line).
         tf.config.list_physical_devices()
+        _spend_bfloat16_notice(tf)
+
+
+def _spend_bfloat16_notice(tf) -> None:
+    """Runs a bfloat16 convolution and matmul, eagerly and in a graph, on the CPU.
+
+    On a CPU without AVX-512, the first bfloat16 op oneDNN is asked to run logs, at ERROR
+    level and once per process (absl::call_once), "oneDNN supports DT_BFLOAT16 only on
+    platforms with AVX-512. Falling back to the default Eigen-based implementation"
+    (tensorflow/tensorflow#40455): a level-2 TF_CPP_MIN_LOG_LEVEL shows it in the middle of
+    `kvram plan`'s estimate, whose mixed-precision probes run bfloat16 on the CPU. Spending
+    the once here, while descriptor 2 is silenced, keeps it out; nothing else is affected
+    (the ops fall back to Eigen either way)."""
+    with tf.device("CPU:0"):
+        images = tf.ones([1, 2, 2, 1], tf.bfloat16)
+        kernel = tf.ones([1, 1, 1, 1], tf.bfloat16)
+
+        def ops(images, kernel):
+            return tf.nn.conv2d(images, kernel, 1, "SAME"), tf.matmul(kernel[0, 0], kernel[0, 0])
+
+        ops(images, kernel)
+        tf.function(ops)(images, kernel)

@@ -255,6 +255,32 @@ def test_the_command_prints_no_tensorflow_log_lines_unless_verbose(tmp_path, req
     assert code == 1 and err == f"kvram shards inspect: {tmp_path / 'missing'}: no such shard directory\n"
 
 
+_BFLOAT16_FIT = """
+import sys
+sys.argv = ["kvram", "plan"]  # as the command's processes (kvram plan's child among them) import kvram
+import kvram, keras, numpy as np
+keras.mixed_precision.set_global_policy("mixed_bfloat16")
+model = keras.Sequential([keras.Input((6, 6, 3)), keras.layers.Conv2D(4, 3), keras.layers.Dense(2)])
+model.compile("sgd", "mse")
+model.fit(np.ones((4, 6, 6, 3)), np.ones((4, 4, 4, 2)), verbose=0)
+print("fitted")
+"""
+
+
+@pytest.mark.slow
+def test_the_commands_bfloat16_steps_print_no_onednn_error_line(tmp_path):
+    """On a CPU without AVX-512, oneDNN logs an ERROR line on the first bfloat16 op, which a
+    level-2 TF_CPP_MIN_LOG_LEVEL lets through; the quiet import spends it (kvram/_quiet.py).
+    On a CPU with AVX-512 there is no such line either way."""
+    import subprocess
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run([sys.executable, "-c", _BFLOAT16_FIT], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0 and "fitted" in done.stdout, done.stderr[-3000:]
+    assert [line for line in done.stderr.splitlines() if line.startswith(("E0000", "W0000", "I0000"))] == []
+
+
 @pytest.mark.slow
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
 def test_plan_and_its_children_print_no_tensorflow_or_absl_line(tmp_path, request):
