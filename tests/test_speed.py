@@ -532,3 +532,125 @@ def test_attention_dropout_masks_are_drawn_again_in_the_backward_pass_under_xla(
     # a layer's draws in flight (the forward's or the backward's), not one held
     # for every layer (96 MiB over the peak without dropout before the change)
     assert with_dropout < without + 2 * draw, (without, with_dropout, draw)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_lean_rms_norm_and_silu_equal_kerashubs_llama(policy):
+    """KerasHub's LlamaLayerNorm and its feedforward's float32 SiLU against
+    kvram.layers.lean's: the same values, gradients within float rounding."""
+    from keras_hub.src.models.llama.llama_layernorm import LlamaLayerNorm
+
+    from kvram.layers.lean import lean_silu, make_lean_rms_norm
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        x = tf.cast(tf.random.normal((4, 7, 32), seed=1) * 3, keras.mixed_precision.global_policy().compute_dtype)
+        plain, lean = LlamaLayerNorm(epsilon=1e-5), LlamaLayerNorm(epsilon=1e-5)
+        scale = np.random.default_rng(2).normal(1.0, 0.3, 32).astype("float32")
+        for layer in (plain, lean):
+            layer.build(x.shape)
+            layer.scale.assign(scale)
+        make_lean_rms_norm(lean)
+        weights = tf.range(32, dtype=tf.float32)
+        results = []
+        for layer in (plain, lean):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                out = layer(x)
+                loss = tf.reduce_sum(tf.cast(out, tf.float32) * weights)
+            results.append((out, tape.gradient(loss, [x, layer.scale])))
+        (a, ga), (b, gb) = results
+        assert b.dtype == a.dtype == x.dtype
+        tol = 1e-5 if policy == "float32" else 1e-2  # bf16's epsilon 7.8e-3
+        assert max_rel_diff([tf.cast(a, tf.float32)], [tf.cast(b, tf.float32)]) <= (1e-6 if policy == "float32" else tol)
+        assert max_rel_diff(ga, gb) <= tol
+        assert {**lean.get_config(), "name": ""} == {**plain.get_config(), "name": ""}
+        assert type(lean) is LlamaLayerNorm
+
+        def keras_hubs_silu(x):  # llama_decoder.py: cast to float32, SiLU, cast back
+            return tf.cast(keras.activations.silu(tf.cast(x, tf.float32)), x.dtype)
+
+        x32 = tf.cast(x, tf.float32)
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([x, x32])
+            ours, theirs, truth = lean_silu(x), keras_hubs_silu(x), keras.activations.silu(x32)
+        np.testing.assert_array_equal(values(ours), values(theirs))
+        ours, theirs, truth = tape.gradient(ours, x), tape.gradient(theirs, x), tape.gradient(truth, x32)
+        if policy == "float32":
+            assert max_rel_diff([theirs], [ours]) <= 1e-5
+        else:  # no further from the float32 gradient than KerasHub's bf16 chain
+            assert max_rel_diff([truth], [ours]) <= max_rel_diff([truth], [theirs])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _llama(policy="float32"):
+    import keras_hub
+
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=256, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=2, hidden_dim=64, intermediate_dim=256,
+                                              tie_word_embeddings=True)
+    return keras.Model(backbone.input, keras.layers.Dense(256, name="lm_head")(backbone.output))
+
+
+def test_lean_activations_reach_kerashub_llama_and_keep_its_step():
+    """Llama's RMS norms (two a block and the final one) and SwiGLU gates (one a
+    block): the same logits and gradients (1e-5, float32)."""
+    from kvram.layers.lean import lean_silu
+
+    with tf.device("/CPU:0"):
+        x, y = _gpt2_batch()
+        model = _llama()
+        plain_logits, plain_grads, _ = _gpt2_step(model, x, y)
+        assert kvram.speed.lean_activations(model) == 2 * 3 + 1
+        assert kvram.speed.lean_activations(model) == 0  # done already
+        gates = [layer._feedforward_gate_dense for layer in model._flatten_layers()
+                 if type(layer).__name__ == "LlamaTransformerDecoder"]
+        assert len(gates) == 2 and all(gate.activation is lean_silu for gate in gates)
+        logits, grads, _ = _gpt2_step(model, x, y)
+    assert max_rel_diff([plain_logits], [logits]) <= 1e-5
+    assert max_rel_diff(plain_grads, grads, per_tensor=False) <= 1e-5
+
+
+def _kept_for_the_backward(model, x, y) -> dict:
+    """{dtype: bytes} of the forward tensors that the traced training step's
+    backward ops read (graph mode: the executor holds each until its last
+    reader ran, so these are what the step keeps from its forward pass)."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    backward = lambda op: op.name.startswith("gradient_tape/")  # noqa: E731
+    kept = {}
+    for op in step.get_concrete_function().graph.get_operations():
+        for t in () if backward(op) else op.outputs:
+            if t.dtype.is_floating and any(backward(c) for c in t.consumers()):
+                assert t.shape.is_fully_defined(), t
+                kept[t.dtype.name] = kept.get(t.dtype.name, 0) + t.shape.num_elements() * t.dtype.size
+    return kept
+
+
+def test_lean_activations_keep_no_float32_copies_in_a_bfloat16_llama_step():
+    """Under mixed_bfloat16, the float32 copies of the RMS norms' inputs and
+    outputs and of the SwiGLU gates are no longer kept for the backward pass:
+    the float32 bytes kept drop by at least the gates' (B x T x intermediate x
+    4 bytes a block), and the bytes kept in all drop."""
+    try:
+        x, y = _gpt2_batch()
+        model = _llama("mixed_bfloat16")
+        plain = _kept_for_the_backward(model, x, y)
+        kvram.speed.lean_activations(model)
+        lean = _kept_for_the_backward(model, x, y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    print(f"kept for the backward (MiB): plain {({k: v / 2**20 for k, v in plain.items()})}, "
+          f"lean {({k: v / 2**20 for k, v in lean.items()})}")
+    gates = 2 * 4 * 256 * 256 * 4  # two blocks' float32 gates, batch 4 x 256, intermediate 256
+    assert lean["float32"] <= plain["float32"] - gates
+    assert sum(lean.values()) < sum(plain.values())

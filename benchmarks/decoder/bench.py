@@ -191,7 +191,7 @@ def _arguments(parser):
 
 
 def main():
-    training_main(__doc__, __file__, "gpt2_medium-train", CONFIGS, {"tf": run_tf, "torch": run_torch},
+    training_main(__doc__, __file__, "decoder-train", CONFIGS, {"tf": run_tf, "torch": run_torch},
                   {"batch": 8, "steps": 32, "warmup": 16}, rate="tokens_per_s", extra_arguments=_arguments,
                   describe_run=lambda args: {"model": args.model, "shape": _shape(args), "sequence": args.sequence,
                                              "peak_tflops": args.peak_tflops})

@@ -128,3 +128,65 @@ class LeanLayerNormalization(keras.layers.LayerNormalization):
             tf.cast(inputs, self.compute_dtype), self.gamma.value, self.beta.value, self.epsilon
         )
         return tf.cast(outputs, self.compute_dtype)
+
+
+def lean_rms_norm(x, scale, epsilon, dtype):
+    """RMS normalisation over the last axis as KerasHub's `LlamaLayerNorm`
+    computes it (`x * rsqrt(mean(x²) + epsilon) * scale` in float32, rounded
+    once to `dtype`), keeping `x` in its own dtype and the per-row reciprocal
+    root mean square (float32) for the backward pass."""
+    x = tf.convert_to_tensor(x)
+    axes = list(range(x.shape.rank - 1))
+
+    @tf.custom_gradient
+    def normalise(x, scale):
+        x32 = tf.cast(x, tf.float32)
+        rms = tf.math.rsqrt(tf.reduce_mean(tf.square(x32), axis=-1, keepdims=True) + epsilon)
+        y = x32 * rms * tf.cast(scale, tf.float32)
+
+        def gradient(dy):
+            dy32 = tf.cast(dy, tf.float32)
+            xhat = (tf.cast(x, tf.float32) + after(dy)) * rms
+            d_scale = tf.reduce_sum(dy32 * xhat, axis=axes)
+            g = dy32 * tf.cast(scale, tf.float32)
+            dx = rms * (g - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
+            return tf.cast(dx, x.dtype), tf.cast(d_scale, scale.dtype)
+
+        return tf.cast(y, dtype), gradient
+
+    return normalise(x, tf.convert_to_tensor(scale))
+
+
+def make_lean_rms_norm(layer) -> None:
+    """Makes a KerasHub `LlamaLayerNorm` compute `lean_rms_norm`, in place: its
+    class, weights and saved configuration stay (a saved model loads as
+    KerasHub's own, computing the same values)."""
+
+    def call(x):
+        return lean_rms_norm(x, layer.scale.value, layer.epsilon, layer.compute_dtype)
+
+    layer.call = call
+
+
+def _silu_slope(x):
+    sigmoid = tf.sigmoid(x)
+    return sigmoid * (1.0 + x * (1.0 - sigmoid))
+
+
+@keras.saving.register_keras_serializable(package="kvram")
+def lean_silu(x):
+    """SiLU, `x * sigmoid(x)`, computed in float32 and rounded once to `x`'s
+    dtype (as KerasHub's Llama feedforward and PyTorch's `F.silu` compute a
+    16-bit input), keeping only `x` for the gradient."""
+    x = tf.convert_to_tensor(x)
+
+    @tf.custom_gradient
+    def silu(x):
+        def gradient(dy):
+            x32 = tf.cast(x, tf.float32) + after(dy)
+            return tf.cast(tf.cast(dy, tf.float32) * _silu_slope(x32), x.dtype)
+
+        x32 = tf.cast(x, tf.float32)
+        return tf.cast(x32 * tf.sigmoid(x32), x.dtype), gradient
+
+    return silu(x)
