@@ -233,7 +233,7 @@ def lean_activations(model: keras.layers.Layer) -> int:
     linear (a saved model records both). The same values; gradients within
     float rounding; in a traced bfloat16 step, the float32 bytes kept for the
     backward pass drop by the gates' and norms' copies (tests/test_speed.py).
-    Under XLA XLA may drop those copies itself: a two-block Llama (hidden 128,
+    Under XLA, XLA may drop those copies itself: a two-block Llama (hidden 128,
     intermediate 1024, batch 32 x 64) compiled with `jit_compile=True` on the
     CPU peaked at 132.0 MiB with and without; on a GPU it is not measured yet.
 

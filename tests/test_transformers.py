@@ -55,7 +55,16 @@ def gemma():
     return keras.Model(backbone.input, keras.layers.Dense(VOCAB, name="lm_head")(backbone.output), name="gemma")
 
 
-MODELS = {"gpt2": gpt2, "bert": bert, "gemma": gemma}
+def llama():
+    """Llama-shaped decoder (rotary embeddings, grouped-query attention, RMS norms, SwiGLU, tied embedding)."""
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB, num_layers=4, num_query_heads=4, num_key_value_heads=2, hidden_dim=64,
+        intermediate_dim=256, dropout=0.1, tie_word_embeddings=True,
+    )
+    return keras.Model(backbone.input, keras.layers.Dense(VOCAB, name="lm_head")(backbone.output), name="llama")
+
+
+MODELS = {"gpt2": gpt2, "bert": bert, "gemma": gemma, "llama": llama}
 
 
 def _batch(name):
@@ -111,7 +120,7 @@ def test_blocks_are_segments_and_the_mask_is_carried_beside_them(name):
 
 
 @pytest.mark.slow
-# one transformer family in the default run: the decoder (GPT-2); BERT's and Gemma's are extended
+# one transformer family in the default run: the decoder (GPT-2); BERT's, Gemma's and Llama's are extended
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.own_process] + (
     [] if n == "gpt2" else [pytest.mark.extended])) for n in sorted(MODELS)])
 def test_planned_transformer_equals_the_model_halves_the_peak_and_holds_a_budget(name, request):
