@@ -82,6 +82,11 @@ def _lean_gelu_approximate():
     return keras.Model(inputs, keras.layers.Dense(4, activation=kvram.layers.lean.lean_gelu_approximate)(inputs)), x
 
 
+def _lean_silu():
+    inputs, x = _dense_input()
+    return keras.Model(inputs, keras.layers.Dense(4, activation=kvram.layers.lean.lean_silu)(inputs)), x
+
+
 def _functional_model():
     inputs, x = _dense_input()
     model = kvram.Model(inputs, keras.layers.Dense(3)(inputs), accumulation_steps=2, clip_global_norm=1.0)
@@ -109,7 +114,8 @@ BUILDERS = {
     "PipelineModel": _pipeline,
 }
 # How to build a model using each kvram function (`lean_gelu` by `lean_activations`).
-FUNCTION_BUILDERS = {"kvram>lean_gelu": _lean, "kvram>lean_gelu_approximate": _lean_gelu_approximate}
+FUNCTION_BUILDERS = {"kvram>lean_gelu": _lean, "kvram>lean_gelu_approximate": _lean_gelu_approximate,
+                     "kvram>lean_silu": _lean_silu}
 
 _LOAD = """
 import json, sys
