@@ -36,22 +36,27 @@ def _exact_value(x):
     return tf.cast(0.5 * x32 * (1.0 + tf.math.erf(x32 * (1.0 / math.sqrt(2.0)))), x.dtype)
 
 
-def _keeping_input(x, approximate, slope):
-    """`keras.activations.gelu(x, approximate)`, keeping only `x`: the
-    backward pass computes `slope(x)` in float32 when the gradient arrives."""
+def _keeping_input(x, value, slope):
+    """`value(x)`, keeping only `x`: the backward pass computes `slope(x)` in
+    float32 when the gradient arrives."""
     x = tf.convert_to_tensor(x)
 
     @tf.custom_gradient
-    def gelu(x):
+    def activation(x):
         def gradient(dy):
             x32 = tf.cast(x, tf.float32) + after(dy)
             return tf.cast(tf.cast(dy, tf.float32) * slope(x32), x.dtype)
 
-        if not approximate and x.dtype.size == 2:
-            return _exact_value(x), gradient
-        return keras.activations.gelu(x, approximate=approximate), gradient
+        return value(x), gradient
 
-    return gelu(x)
+    return activation(x)
+
+
+def _gelu_value(x, approximate):
+    """`keras.activations.gelu(x, approximate)`; the exact GELU of a 16-bit `x` as PyTorch computes it."""
+    if not approximate and x.dtype.size == 2:
+        return _exact_value(x)
+    return keras.activations.gelu(x, approximate=approximate)
 
 
 def _exact_slope(x):
@@ -70,7 +75,7 @@ def _tanh_slope(x):
 def lean_gelu(x):
     """The exact GELU, `keras.activations.gelu(x)`, keeping only `x` for the
     gradient."""
-    return _keeping_input(x, False, _exact_slope)
+    return _keeping_input(x, lambda x: _gelu_value(x, False), _exact_slope)
 
 
 @keras.saving.register_keras_serializable(package="kvram")
@@ -78,7 +83,7 @@ def lean_gelu_approximate(x):
     """The tanh approximation of GELU, `keras.activations.gelu(x,
     approximate=True)` (KerasHub's GPT-2 and others), keeping only `x` for the
     gradient."""
-    return _keeping_input(x, True, _tanh_slope)
+    return _keeping_input(x, lambda x: _gelu_value(x, True), _tanh_slope)
 
 
 def lean_layer_norm(x, gamma, beta, epsilon):
@@ -178,15 +183,9 @@ def lean_silu(x):
     """SiLU, `x * sigmoid(x)`, computed in float32 and rounded once to `x`'s
     dtype (as KerasHub's Llama feedforward and PyTorch's `F.silu` compute a
     16-bit input), keeping only `x` for the gradient."""
-    x = tf.convert_to_tensor(x)
 
-    @tf.custom_gradient
-    def silu(x):
-        def gradient(dy):
-            x32 = tf.cast(x, tf.float32) + after(dy)
-            return tf.cast(tf.cast(dy, tf.float32) * _silu_slope(x32), x.dtype)
-
+    def value(x):
         x32 = tf.cast(x, tf.float32)
-        return tf.cast(x32 * tf.sigmoid(x32), x.dtype), gradient
+        return tf.cast(x32 * tf.sigmoid(x32), x.dtype)
 
-    return silu(x)
+    return _keeping_input(x, value, _silu_slope)
