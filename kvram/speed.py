@@ -386,13 +386,13 @@ def fused_cross_entropy(model: keras.Model, chunk_size: int = 1024) -> int:
             "metrics are computed by evaluate() and on validation data as before.", stacklevel=2)
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    step = type(model).train_step
-    if not getattr(type(model), "_kvram_fused_head_aware", False) and step is not TensorFlowTrainer.train_step:
+    aware = getattr(type(model), "_kvram_fused_head_aware", False)  # kvram.Model's step computes the head's loss
+    if not aware and type(model).train_step is not TensorFlowTrainer.train_step:
         raise ValueError(f"fused_cross_entropy replaces Keras's own train_step, and {type(model).__name__} "
                          "overrides it: move the custom logic into call() or compute_loss().")
     head = _cross_entropy.head_of(model, chunk_size)
     model._kvram_fused_head = head
-    if not getattr(type(model), "_kvram_fused_head_aware", False):
+    if not aware:
         model.train_step = _fused_train_step(model, head)
     model.train_function = None
     return 1
