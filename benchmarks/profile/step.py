@@ -14,7 +14,7 @@ name (`hlo_shape`, `hlo_opcode`, `tf_op`).
 
     python benchmarks/profile/step.py --model resnet50 --only torch_fp16_compile --only kvram_fast
     python benchmarks/profile/step.py --model vit --only kvram_fast --raw-dir raw/  # keep kernels + HLO too
-    python benchmarks/profile/step.py --model decoder --batch 8 --only keras_bf16
+    python benchmarks/profile/step.py --model decoder --decoder gpt2 --batch 8 --only kvram_fast --only torch_compile
 
 Configurations: those of the model's suite (`benchmarks/<model>/bench.py`: its models, data and
 PyTorch steps). For the transformers (`--model vit`, `--model decoder`) each kernel's time is also
@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-from benchmarks.common import gpu_name, timed_fit, timed_torch_steps, torch_environment, whole_executions  # noqa: E402
+from benchmarks.common import commit, gpu_name, timed_fit, timed_torch_steps, torch_environment, whole_executions  # noqa: E402
 
 # the transformer models: each kernel's time also by part (`kernels.by_part`),
 # from the op names of the step's HLO, which is always dumped for them
@@ -59,6 +59,11 @@ def _configs(model):
     return {name: (framework, settings) for name, (framework, _, settings) in suite.CONFIGS.items()}
 
 
+def _decoder_args(args):
+    """`args` as the decoder suite reads them: its `--model` is the decoder's shape (`--decoder`)."""
+    return argparse.Namespace(**{**vars(args), "model": args.decoder})
+
+
 def run_tf(name, settings, args):
     import tensorflow as tf
 
@@ -75,7 +80,7 @@ def run_tf(name, settings, args):
     elif args.model == "decoder":
         from benchmarks.decoder.bench import build as build_decoder
 
-        model, data = build_decoder(settings, args)
+        model, data = build_decoder(settings, _decoder_args(args))
     else:
         from benchmarks.resnet50.bench import build_tf
 
@@ -133,7 +138,7 @@ def run_torch(name, settings, args):
     elif args.model == "decoder":
         from benchmarks.decoder.bench import torch_step as decoder_step
 
-        step, _ = decoder_step(settings, args)
+        step, _ = decoder_step(settings, _decoder_args(args))
     else:
         from benchmarks.resnet50.bench import torch_step
 
@@ -155,7 +160,7 @@ def run_torch(name, settings, args):
     prof.export_chrome_trace(trace)
     kernels = chrome_trace_kernels(trace)
     result["profile"] = breakdown(kernels, args.profile_steps)
-    if args.model == "vit":
+    if args.model in _BY_PART:
         result["profile"]["parts_ms_per_step"] = by_part(kernels, args.profile_steps)
     _keep_raw(args.raw_dir, name, kernels)
     return result
@@ -189,7 +194,8 @@ def main():
     parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0: smoke test)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--sequence", type=int, default=1024, help="--model decoder: tokens per row")
-    parser.add_argument("--layers", type=int, default=24, help="--model decoder: decoder blocks")
+    parser.add_argument("--decoder", choices=("gpt2", "llama"), default="gpt2", help="--model decoder: its shape")
+    parser.add_argument("--layers", type=int, default=None, help="--model decoder: decoder blocks (default: the shape's)")
     parser.add_argument("--raw-dir", default=None, help="keep kernel records and HLO here")
     parser.add_argument("--host", action="store_true",
                         help="TF: also say what the host was doing while the GPU sat idle (host_during_gaps)")
@@ -218,7 +224,7 @@ def main():
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--profile-steps", str(args.profile_steps), "--device", args.device,
                    "--image-size", str(args.image_size), "--sequence", str(args.sequence),
-                   "--layers", str(args.layers)]
+                   "--decoder", args.decoder] + (["--layers", str(args.layers)] if args.layers else [])
         if args.raw_dir:
             command += ["--raw-dir", args.raw_dir]
         if args.host:
@@ -244,7 +250,8 @@ def main():
                   + f" ({result['wall_s']:.0f} s)", flush=True)
         if args.out:  # written after every config: a later stall loses nothing
             with open(args.out, "w") as f:
-                json.dump({"benchmark": f"profile-{args.model}-step", "gpu": gpu_name(), "batch": args.batch,
+                json.dump({"benchmark": f"profile-{args.model}-step", "date": time.strftime("%Y-%m-%d"),
+                           "commit": commit(), "gpu": gpu_name(), "batch": args.batch,
                            "steps": args.steps, "command": "python " + " ".join(sys.argv),
                            "results": results}, f, indent=2)
 
