@@ -36,7 +36,7 @@ if _plan_process.wanted():  # `kvram plan`'s process that waits on its child: no
 
 _quiet.import_tensorflow_quietly()  # the `kvram` command only; see kvram/_quiet.py
 
-from kvram import callbacks, data, layers, memory, parallel, precision, remat, speed  # noqa: E402
+from kvram import callbacks, data, layers, memory, optimizers, parallel, precision, remat, speed  # noqa: E402
 from kvram._version import __version__  # noqa: E402
 from kvram.training import Model  # noqa: E402
 
@@ -52,6 +52,7 @@ __all__ = [
     "parallel",
     "layers",
     "memory",
+    "optimizers",
     "precision",
     "remat",
     "speed",

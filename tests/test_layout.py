@@ -12,7 +12,7 @@ ROOMS = [
     ("kvram._version", "kvram._quiet", "kvram._checks", "kvram._einsum", "kvram._xla_flags", "kvram.memory",
      "kvram.precision"),
     ("kvram._plan_process",),
-    ("kvram.layers", "kvram.data"),
+    ("kvram.layers", "kvram.data", "kvram.optimizers"),
     ("kvram.speed",),
     ("kvram.training",),
     ("kvram.callbacks", "kvram.parallel"),

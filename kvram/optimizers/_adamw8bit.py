@@ -1,0 +1,102 @@
+"""AdamW with its two moments stored in 8 bits (block-wise dynamic quantization)."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kvram.optimizers import _blockwise
+
+
+@keras.saving.register_keras_serializable(package="kvram")
+class AdamW8bit(keras.optimizers.AdamW):
+    """Keras's `AdamW` whose first and second moments take one byte per value instead of eight.
+
+    Each moment of a variable with at least `min_8bit_size` values is kept as int8 codes in blocks
+    of `block_size` values, each block with one float32 scale (kvram/optimizers/_blockwise.py: the
+    block-wise dynamic quantization of bitsandbytes' `AdamW8bit`): 2 bytes per parameter and
+    8 per block, against float32 AdamW's 8 per parameter (0.25x at the default block of 2048).
+    Smaller variables (norms, biases) keep float32 moments, as bitsandbytes does. Every step
+    dequantizes a variable's moments, updates them and the variable in float32 exactly as `AdamW`
+    does, and stores them again: one variable's float32 moments exist at a time, inside the
+    compiled step. Weight decay, learning-rate schedules, `clipnorm`, `LossScaleOptimizer`,
+    `gradient_accumulation_steps`, saving (`model.save`, `keras.saving.load_model`) and Keras
+    checkpoints work as with `AdamW`; `amsgrad` is not supported.
+
+    Args:
+        block_size: values per quantization block (a positive multiple of 64; 2048 by default).
+        min_8bit_size: variables with fewer values keep float32 moments (4096 by default).
+        The other arguments are `keras.optimizers.AdamW`'s.
+    """
+
+    def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
+                 block_size=2048, min_8bit_size=4096, name="adamw8bit", **kwargs):
+        if kwargs.get("amsgrad"):
+            raise ValueError("AdamW8bit does not support amsgrad=True (its third moment would be float32); "
+                             "use keras.optimizers.AdamW(amsgrad=True)")
+        kwargs.pop("amsgrad", None)
+        if not isinstance(block_size, (int, np.integer)) or block_size < 64 or block_size % 64:
+            raise ValueError(f"block_size must be a positive multiple of 64, got {block_size!r}")
+        if not isinstance(min_8bit_size, (int, np.integer)) or min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size must be a non-negative integer, got {min_8bit_size!r}")
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2,
+                         epsilon=epsilon, name=name, **kwargs)
+        self.block_size = int(block_size)
+        self.min_8bit_size = int(min_8bit_size)
+
+    def _quantized(self, variable) -> bool:
+        return int(np.prod(variable.shape)) >= self.min_8bit_size
+
+    def build(self, var_list):
+        if self.built:
+            return
+        keras.optimizers.Optimizer.build(self, var_list)  # not Adam's: its float32 moments are what this replaces
+        # per variable: (m, v) float32, or ((m codes, m scales), (v codes, v scales))
+        self._moments = []
+        for variable in var_list:
+            if getattr(variable, "overwrite_with_gradient", False):
+                self._moments.append(None)
+                continue
+            name = variable.path.replace("/", "_")
+            if not self._quantized(variable):
+                self._moments.append(tuple(
+                    self.add_variable(variable.shape, dtype="float32", name=f"{name}_{kind}")
+                    for kind in ("momentum", "velocity")))
+                continue
+            blocks = _blockwise.padded_size(int(np.prod(variable.shape)), self.block_size) // self.block_size
+            self._moments.append(tuple(
+                (self.add_variable((blocks, self.block_size), dtype="int8", name=f"{name}_{kind}_codes"),
+                 self.add_variable((blocks,), dtype="float32", name=f"{name}_{kind}_scales"))
+                for kind in ("momentum", "velocity")))
+
+    def update_step(self, gradient, variable, learning_rate):
+        dtype = variable.dtype
+        lr = tf.cast(learning_rate, tf.float32)
+        gradient = tf.cast(gradient, tf.float32)
+        step = tf.cast(self.iterations + 1, tf.float32)
+        beta_1, beta_2 = tf.cast(self.beta_1, tf.float32), tf.cast(self.beta_2, tf.float32)
+        alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        state = self._moments[self._get_variable_index(variable)]
+        quantized = isinstance(state[0], tuple)
+        if quantized:
+            (m_codes, m_scales), (v_codes, v_scales) = state
+            m = _blockwise.dequantize(m_codes, m_scales, variable.shape, signed=True)
+            v = _blockwise.dequantize(v_codes, v_scales, variable.shape, signed=False)
+        else:
+            m, v = (tf.convert_to_tensor(s) for s in state)
+        m = m + (gradient - m) * (1 - beta_1)
+        v = v + (tf.square(gradient) - v) * (1 - beta_2)
+        self.assign_sub(variable, tf.cast(m * alpha / (tf.sqrt(v) + self.epsilon), dtype))
+        if quantized:
+            for (codes, scales), value, signed in (((m_codes, m_scales), m, True), ((v_codes, v_scales), v, False)):
+                new_codes, new_scales = _blockwise.quantize(value, self.block_size, signed=signed)
+                self.assign(codes, new_codes)
+                self.assign(scales, new_scales)
+        else:
+            self.assign(state[0], m)
+            self.assign(state[1], v)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("amsgrad", None)
+        config.update({"block_size": self.block_size, "min_8bit_size": self.min_8bit_size})
+        return config
