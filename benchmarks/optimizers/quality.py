@@ -1,0 +1,88 @@
+"""Final loss of kvram's optimizers against Keras's AdamW on a character-level language model.
+
+A small KerasHub GPT-2 (`--layers` blocks, hidden `--hidden`) learns Python's own standard library
+sources (every machine has them: no download), byte by byte, for `--steps` steps of `--batch` rows
+of `--sequence` bytes; each optimizer starts from the same weights and sees the same batches. The
+JSON holds each optimizer's mean loss over the last 10% of steps and its ratio to AdamW's.
+
+    python benchmarks/optimizers/quality.py --steps 2000 --out benchmarks/results/optimizers_quality_cpu.json
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+import sysconfig
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import kvram  # noqa: E402, F401  (before TensorFlow)
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import commit  # noqa: E402
+
+OPTIMIZERS = {
+    "adamw": lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.01),
+    "adamw8bit": lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01),
+}
+
+
+def corpus(limit: int) -> np.ndarray:
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    data = b"".join(open(f, "rb").read() for f in files)[:limit]
+    return np.frombuffer(data, np.uint8).astype("int32")
+
+
+def train(name, args, text):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=256, num_layers=args.layers, num_heads=4,
+                                             hidden_dim=args.hidden, intermediate_dim=4 * args.hidden,
+                                             dropout=0.0, max_sequence_length=args.sequence)
+    tokens = keras.Input((args.sequence,), dtype="int32")
+    hidden = backbone({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
+    model = keras.Model(tokens, backbone.token_embedding(hidden, reverse=True))
+    model.compile(OPTIMIZERS[name](args.learning_rate),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    rng = np.random.default_rng(1)
+    losses, start = [], time.perf_counter()
+    for step in range(args.steps):
+        rows = rng.integers(0, len(text) - args.sequence - 1, args.batch)
+        window = np.stack([text[r:r + args.sequence + 1] for r in rows])
+        losses.append(float(model.train_on_batch(window[:, :-1], window[:, 1:])))
+    tail = losses[-max(1, args.steps // 10):]
+    return {"final_loss": float(np.mean(tail)), "first_loss": losses[0], "wall_s": time.perf_counter() - start}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--sequence", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--only", action="append", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    text = corpus(8 << 20)
+    results = {}
+    for name in args.only or OPTIMIZERS:
+        results[name] = train(name, args, text)
+        print(name, results[name], flush=True)
+    for run in results.values():
+        if "adamw" in results:
+            run["final_loss_vs_adamw"] = run["final_loss"] / results["adamw"]["final_loss"]
+    out = {"benchmark": "optimizers-quality", "date": time.strftime("%Y-%m-%d"), "commit": commit(),
+           "machine": os.uname().machine, "cpus": os.cpu_count(), "keras": keras.__version__,
+           "command": "python " + " ".join(sys.argv), "settings": vars(args), "corpus_bytes": len(text),
+           "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
