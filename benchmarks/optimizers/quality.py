@@ -16,7 +16,8 @@ import sys
 import sysconfig
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 import kvram  # noqa: E402, F401  (before TensorFlow)
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
@@ -77,7 +78,7 @@ def main():
             run["final_loss_vs_adamw"] = run["final_loss"] / results["adamw"]["final_loss"]
     out = {"benchmark": "optimizers-quality", "date": time.strftime("%Y-%m-%d"), "commit": commit(),
            "machine": os.uname().machine, "cpus": os.cpu_count(), "keras": keras.__version__,
-           "command": "python " + " ".join(sys.argv), "settings": vars(args), "corpus_bytes": len(text),
+           "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]), "settings": vars(args), "corpus_bytes": len(text),
            "results": results}
     if args.out:
         with open(args.out, "w") as f:
