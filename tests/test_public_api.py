@@ -6,7 +6,7 @@ import kvram
 
 # Every public name, from the path README and ARCHITECTURE.md give it.
 DOCUMENTED = {
-    "kvram": ["Model", "callbacks", "data", "layers", "memory", "parallel", "precision", "remat", "speed",
+    "kvram": ["Model", "callbacks", "data", "layers", "memory", "optimizers", "parallel", "precision", "remat", "speed",
               "__version__"],
     "kvram.layers": ["Checkpoint", "FusedBatchNormalization", "MemoryEfficientAttention"],
     "kvram.training": ["Model", "FunctionalModel"],
@@ -21,6 +21,7 @@ DOCUMENTED = {
     "kvram.precision": ["enable", "current_policy", "auto_policy", "loss_scale", "check_model_policy"],
     "kvram.speed": ["efficient_attention", "fuse_batch_norm", "fused_cross_entropy", "lean_activations",
                     "pin_host_memory", "host_memory_pinned", "tensordot_einsum"],
+    "kvram.optimizers": ["AdamW8bit"],
     "kvram.cli": ["main"],
 }
 
