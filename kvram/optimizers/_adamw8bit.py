@@ -18,9 +18,9 @@ class AdamW8bit(keras.optimizers.AdamW):
     Smaller variables (norms, biases) keep float32 moments, as bitsandbytes does. Every step
     dequantizes a variable's moments, updates them and the variable in float32 exactly as `AdamW`
     does, and stores them again: one variable's float32 moments exist at a time, inside the
-    compiled step. Weight decay, learning-rate schedules, `clipnorm`, `LossScaleOptimizer`,
-    `gradient_accumulation_steps`, saving (`model.save`, `keras.saving.load_model`) and Keras
-    checkpoints work as with `AdamW`; `amsgrad` is not supported.
+    compiled step. Weight decay (Keras's own, before the update), XLA compilation,
+    `LossScaleOptimizer`, saving (`model.save`, `keras.saving.load_model`) and TensorFlow
+    checkpoints are tested (tests/test_optimizers.py); `amsgrad` is not supported.
 
     Args:
         block_size: values per quantization block (a positive multiple of 64; 2048 by default).
