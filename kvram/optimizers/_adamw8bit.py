@@ -20,12 +20,12 @@ class AdamW8bit(keras.optimizers.AdamW):
     does, and stores them again: one variable's float32 moments exist at a time, inside the
     compiled step. Weight decay (Keras's own, before the update), XLA compilation,
     `LossScaleOptimizer`, saving (`model.save`, `keras.saving.load_model`) and TensorFlow
-    checkpoints are tested (tests/test_optimizers.py); `amsgrad` is not supported.
+    checkpoints are tested (tests/test_optimizers.py); `amsgrad` is not supported. The other
+    arguments are `keras.optimizers.AdamW`'s.
 
     Args:
         block_size: values per quantization block (a positive multiple of 64; 2048 by default).
         min_8bit_size: variables with fewer values keep float32 moments (4096 by default).
-        The other arguments are `keras.optimizers.AdamW`'s.
     """
 
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
