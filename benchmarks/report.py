@@ -23,16 +23,20 @@ PICTURE = os.path.join(ROOT, "docs", "img", "memory_vs_speed.png")
 BEGIN, END = "<!-- benchmarks.report: begin -->", "<!-- benchmarks.report: end -->"
 
 # The suites of the headline table: (title, result file, PyTorch's torch.compile configuration,
-# {role in README's table: configuration})
+# {role in README's table: configuration}); a role a suite's result does not hold is left out
 SUITES = (
     ("ResNet50, batch 256", "resnet50_h200.json", "torch_fp16_compile",
      {"plain": "keras_fp16", "fastest": "kvram_fast", "leanest": "kvram_lean"}),
     ("ViT-B/16, batch 256", "vit_h200.json", "torch_fp16_compile",
      {"plain": "keras_bf16", "fastest": "kvram_fast", "leanest": "kvram_lean"}),
+    ("Llama 1.2B, 4 x 2048 tokens", "decoder_llama_h200.json", "torch_compile",
+     {"checkpointed": "torch_compile_ckpt", "fastest": "kvram_fast", "leanest": "kvram_lean"}),
+    ("GPT-2-medium, 8 x 1024 tokens", "decoder_gpt2_h200.json", "torch_compile",
+     {"checkpointed": "torch_compile_ckpt", "fastest": "kvram_fast"}),
 )
-# The decoder suite (benchmarks/decoder/) joins SUITES once its result holds its PyTorch configurations:
-# ("GPT-2-medium-shaped decoder, 8 x 1024 tokens", "decoder_h200.json", "torch_compile",
-#  {"plain": "keras_bf16", "fastest": "kvram_fast", "leanest": "kvram_lean"})
+ROLES = (("plain", "plain Keras"), ("peer", "PyTorch `torch.compile`"),
+         ("checkpointed", "PyTorch `torch.compile`, checkpointed"), ("fastest", "kvram, fastest"),
+         ("leanest", "kvram, leanest"))
 _UNITS = {"img_per_s": "img/s", "tokens_per_s": "tokens/s"}
 
 
@@ -61,7 +65,8 @@ def suite_table(title: str, name: str, peer: str, link: str | None = None) -> li
     peer_run = runs.get(peer, {})
     mfu = any("mfu" in run for run in runs.values())
     lines = [f"### {title}", "", f"Measured on {_source(result, name, link)}, `{result['command']}`"
-             f" ({result['steps']} timed steps after {result['warmup']}).", "",
+             f" ({result['steps']} timed steps after {result['warmup']})."
+             + (f" {result['note'][0].upper()}{result['note'][1:]}." if result.get("note") else ""), "",
              f"| configuration | {_UNITS[rate]} | peak GiB | speed vs `torch.compile` | memory vs `torch.compile` |"
              + (" MFU |" if mfu else ""),
              "|---|---:|---:|---:|---:|" + ("---:|" if mfu else "")]
@@ -99,20 +104,23 @@ def page() -> str:
 def headline() -> str:
     """README.md's table: for each suite, plain Keras, torch.compile and kvram's fastest and
     leanest configurations."""
-    lines = ["| model | configuration | throughput | peak GiB | vs `torch.compile` (speed, memory) |",
-             "|---|---|---:|---:|---|"]
+    lines = ["| model | configuration | throughput | peak GiB | vs `torch.compile` (speed, memory) | MFU |",
+             "|---|---|---:|---:|---|---:|"]
     sources = []
     for title, name, peer, roles in SUITES:
         result = load(name)
         rate, runs = result["rate"], result["results"]
         peer_run = runs[peer]
-        for role, config in (("plain Keras", roles["plain"]), ("PyTorch `torch.compile`", peer),
-                             ("kvram, fastest", roles["fastest"]), ("kvram, leanest", roles["leanest"])):
+        for role, label in ROLES:
+            config = peer if role == "peer" else roles.get(role)
+            if config is None:
+                continue
             run = runs[config]
             versus = "" if config == peer else (
                 f"{_ratio(run[rate], peer_run[rate])}, {_ratio(run['peak_gib'], peer_run['peak_gib'])}")
-            lines.append(f"| {title} | {role} (`{config}`) | {run[rate]:,.0f} {_UNITS[rate]} | "
-                         f"{run['peak_gib']:.2f} | {versus} |")
+            mfu = f"{100 * run['mfu']:.1f}%" if run.get("mfu") is not None else ""
+            lines.append(f"| {title} | {label} (`{config}`) | {run[rate]:,.0f} {_UNITS[rate]} | "
+                         f"{run['peak_gib']:.2f} | {versus} | {mfu} |")
         sources.append(f"- {title}: {_source(result, name, 'benchmarks/results/')}: `{result['command']}`")
     return "\n".join([BEGIN, *lines, "", *sources, END]) + "\n"
 
