@@ -266,14 +266,14 @@ def in_own_process(request) -> bool:
     return True
 
 
-def residual_model(classes: int = 10, dropout: float = 0.0, name: str = "small"):
-    """A small functional model at 32x32: a stem and six residual blocks
+def residual_model(classes: int = 10, dropout: float = 0.0, name: str = "small", blocks: int = 6):
+    """A small functional model at 32x32: a stem and `blocks` residual blocks
     (Conv2D, BatchNormalization, optional Dropout with a fixed seed, Add)."""
     import keras
 
     inputs = keras.Input((32, 32, 3))
     x = keras.layers.Conv2D(16, 3, padding="same", name="stem")(inputs)
-    for i in range(6):
+    for i in range(blocks):
         h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name=f"conv{i}")(x)
         h = keras.layers.BatchNormalization(name=f"bn{i}")(h)
         if dropout:
