@@ -79,6 +79,19 @@ def commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def result_header(benchmark: str, script: str) -> dict:
+    """The fields every result file starts with: what ran, when, at which commit, and the command."""
+    return {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "commit": commit(),
+            "command": "python " + " ".join([os.path.relpath(script, ROOT), *sys.argv[1:]])}
+
+
+def write_result(path: str | None, report: dict) -> None:
+    """`report` as JSON at `path` (nothing where `path` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def whole_executions(steps: int, steps_per_execution: int) -> int:
     """`steps` rounded up to a multiple of `steps_per_execution` (Keras runs
     that many steps per call of its compiled function)."""
@@ -251,19 +264,16 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
             environment=lambda name: torch_environment() if configs[name][0] == "torch" else None,
         ))
         report = _report(benchmark, script, rate, args, describe_run, results)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
+        write_result(args.out, report)
     return report
 
 
 def _report(benchmark, script, rate, args, describe_run, results) -> dict:
+    header = result_header(benchmark, script)
     return {
-        "benchmark": benchmark,
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": commit(),
+        **{k: header[k] for k in ("benchmark", "date", "commit")},
         "gpu": gpu_name() if args.device.startswith("GPU") else f"none ({args.device}, a smoke run)",
-        "command": "python " + " ".join([os.path.relpath(script, ROOT), *sys.argv[1:]]),
+        "command": header["command"],
         "rate": rate,
         "batch": args.batch,
         "steps": args.steps,

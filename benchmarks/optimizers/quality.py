@@ -10,7 +10,6 @@ JSON holds each optimizer's mean loss over the last 10% of steps and its ratio t
 
 import argparse
 import glob
-import json
 import os
 import sys
 import sysconfig
@@ -23,7 +22,7 @@ import keras  # noqa: E402
 import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import result_header, write_result  # noqa: E402
 
 OPTIMIZERS = {
     "adamw": lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.01),
@@ -76,13 +75,9 @@ def main():
     for run in results.values():
         if "adamw" in results:
             run["final_loss_vs_adamw"] = run["final_loss"] / results["adamw"]["final_loss"]
-    out = {"benchmark": "optimizers-quality", "date": time.strftime("%Y-%m-%d"), "commit": commit(),
-           "machine": os.uname().machine, "cpus": os.cpu_count(), "keras": keras.__version__,
-           "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]), "settings": vars(args), "corpus_bytes": len(text),
-           "results": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+    write_result(args.out, {**result_header("optimizers-quality", __file__), "machine": os.uname().machine,
+                            "cpus": os.cpu_count(), "keras": keras.__version__, "settings": vars(args),
+                            "corpus_bytes": len(text), "results": results})
 
 
 if __name__ == "__main__":

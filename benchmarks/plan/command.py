@@ -8,7 +8,6 @@ its recommendation, and every line TensorFlow or absl wrote into its output (non
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
@@ -18,7 +17,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import commit, gpu_name  # noqa: E402
+from benchmarks.common import gpu_name, result_header, write_result  # noqa: E402
 
 # how TensorFlow's and absl's C++ lines begin
 FOREIGN = ("WARNING: All log messages", "I0000", "W0000", "E0000")
@@ -51,12 +50,7 @@ def main():
         r = runs[-1]
         print(f"{r['command']}: exit {r['exit_code']}, {r['wall_s']:.1f} s, {len(r['foreign_lines'])} foreign lines",
               flush=True)
-    report = {"benchmark": "kvram-plan-command", "date": time.strftime("%Y-%m-%d"), "commit": commit(),
-              "gpu": gpu_name(), "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
-              "runs": runs}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_result(args.out, {**result_header("kvram-plan-command", __file__), "gpu": gpu_name(), "runs": runs})
 
 
 if __name__ == "__main__":
