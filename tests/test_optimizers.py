@@ -24,54 +24,6 @@ def test_a_round_trip_errs_by_at_most_half_a_bin(signed):
     assert np.all(np.sign(y[inside]) == np.sign(x[inside]))
 
 
-@pytest.mark.parametrize("signed", [True, False])
-def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbouring_code(signed):
-    rng = np.random.default_rng(1)
-    x = (rng.normal(size=2048) * np.exp(rng.uniform(-18, 0, size=2048))).astype("float32")
-    x = x if signed else np.abs(x)
-    table = np.sort(np.concatenate([-_blockwise.magnitudes(True), _blockwise.magnitudes(True)])
-                    if signed else _blockwise.magnitudes(False))
-    draws = []
-    for k in range(400):
-        codes, scales = _blockwise.quantize(x, 2048, signed, seed=tf.constant([k, 7], tf.int64))
-        draws.append(_blockwise.dequantize(codes, scales, x.shape, signed).numpy())
-    draws = np.stack(draws)
-    scale = float(scales.numpy()[0])
-    relative = x / scale
-    below = table[np.clip(np.searchsorted(table, relative, side="right") - 1, 0, len(table) - 1)]
-    above = table[np.clip(np.searchsorted(table, relative, side="left"), 0, len(table) - 1)]
-    stored = draws / scale
-    assert np.all(np.isclose(stored, below, rtol=1e-5, atol=0) | np.isclose(stored, above, rtol=1e-5, atol=0)
-                  | (stored == relative))
-    gap = np.maximum(above - below, 1e-12)
-    # inside the map (not the block's largest value beyond a signed map's top code, not a positive
-    # second moment below the smallest code, which is floored there): 400 draws of a two-valued
-    # variable average within 5 standard errors of the value
-    inside = (np.abs(relative) <= table.max()) & ((relative >= table[1]) if not signed else True)
-    assert inside.sum() > 1400  # of 2048: most values are tested
-    error = np.abs(stored.mean(0) - relative)
-    assert np.all(error[inside] <= 5 * gap[inside] / 2 / np.sqrt(400) + 1e-9)
-    if not signed:
-        assert np.all(draws[:, x > 0] > 0)  # a positive second moment is never stored as 0
-
-
-def test_a_second_moment_decaying_by_beta_2_tracks_under_stochastic_rounding():
-    # beta_2 = 0.999 moves v by 0.1% a step, less than half a bin: nearest rounding holds it still
-    v = np.full(2048, 0.5, np.float32)  # one block
-    v[0] = 1.0  # the block's scale
-    nearest, stochastic = v.copy(), v.copy()
-    for step in range(1000):
-        for name, state in (("nearest", nearest), ("stochastic", stochastic)):
-            seed = tf.constant([step, 1], tf.int64) if name == "stochastic" else None
-            decayed = state * 0.999
-            decayed[0] = 1.0
-            codes, scales = _blockwise.quantize(decayed, 2048, False, seed=seed)
-            state[:] = _blockwise.dequantize(codes, scales, state.shape, False).numpy()
-    expected = 0.5 * 0.999 ** 1000
-    assert abs(nearest[1:].mean() - 0.5) < 0.01  # held still
-    assert abs(stochastic[1:].mean() / expected - 1) < 0.02
-
-
 def test_the_maps_use_every_code():
     assert len(_blockwise.magnitudes(True)) == 128 and len(_blockwise.magnitudes(False)) == 256
     assert np.all(np.diff(_blockwise.magnitudes(False)) > 0) and _blockwise.magnitudes(False)[-1] == 1.0

@@ -75,8 +75,7 @@ class AdamW8bit(keras.optimizers.AdamW):
         step = tf.cast(self.iterations + 1, tf.float32)
         beta_1, beta_2 = tf.cast(self.beta_1, tf.float32), tf.cast(self.beta_2, tf.float32)
         alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
-        index = self._get_variable_index(variable)
-        state = self._moments[index]
+        state = self._moments[self._get_variable_index(variable)]
         quantized = isinstance(state[0], tuple)
         if quantized:
             (m_codes, m_scales), (v_codes, v_scales) = state
@@ -89,9 +88,7 @@ class AdamW8bit(keras.optimizers.AdamW):
         self.assign_sub(variable, tf.cast(m * alpha / (tf.sqrt(v) + self.epsilon), dtype))
         if quantized:
             for (codes, scales), value, signed in (((m_codes, m_scales), m, True), ((v_codes, v_scales), v, False)):
-                # a seed of (step, moment): the same rounding on every run, and on a restored one
-                seed = tf.stack([tf.cast(self.iterations, tf.int64), tf.constant(2 * index + int(not signed), tf.int64)])
-                new_codes, new_scales = _blockwise.quantize(value, self.block_size, signed=signed, seed=seed)
+                new_codes, new_scales = _blockwise.quantize(value, self.block_size, signed=signed)
                 self.assign(codes, new_codes)
                 self.assign(scales, new_scales)
         else:

@@ -68,30 +68,8 @@ def _encode_magnitude(a, signed: bool):
     return code
 
 
-def _round_stochastically(a, code, signed: bool, seed):
-    """`code` (the nearest) moved to the code on `a`'s other side with the probability that makes
-    the stored value's expectation `a`; a non-negative map never stores a positive `a` as 0."""
-    mags = tf.constant(magnitudes(signed))
-    last = len(magnitudes(signed)) - 1
-    nearest = tf.gather(mags, code)
-    other = tf.clip_by_value(code + tf.where(a >= nearest, 1, -1), 0, last)
-    far = tf.gather(mags, other)
-    gap = tf.abs(far - nearest)
-    p = tf.where(gap > 0, tf.abs(a - nearest) / tf.where(gap > 0, gap, 1.0), 0.0)
-    u = tf.random.stateless_uniform(tf.shape(a), seed)
-    code = tf.where(u < p, other, code)
-    if not signed:  # a zero second moment divides a nonzero first moment by epsilon alone
-        code = tf.where(a > 0, tf.maximum(code, 1), code)
-    return code
-
-
-def quantize(x, block_size: int, signed: bool, seed=None):
-    """(bytes, scales) of float tensor `x`: int8 of shape [blocks, block_size], float32 [blocks].
-
-    With `seed` (a shape-[2] int tensor, as `tf.random.stateless_uniform` takes) each value is
-    rounded stochastically to one of the two codes around it, so that the stored value is `x`'s in
-    expectation: an optimizer's moments move by less than half a bin per step (the second moment by
-    `1 - beta_2` of itself), and nearest rounding would hold them still. Without it, nearest."""
+def quantize(x, block_size: int, signed: bool):
+    """(bytes, scales) of float tensor `x`: int8 of shape [blocks, block_size], float32 [blocks]."""
     flat = tf.reshape(tf.cast(x, tf.float32), [-1])
     size = flat.shape[0]
     flat = tf.pad(flat, [[0, padded_size(size, block_size) - size]])
@@ -99,8 +77,6 @@ def quantize(x, block_size: int, signed: bool, seed=None):
     scales = tf.reduce_max(tf.abs(blocks), axis=1)
     relative = blocks / tf.where(scales > 0, scales, 1.0)[:, None]
     code = _encode_magnitude(tf.abs(relative), signed)
-    if seed is not None:
-        code = _round_stochastically(tf.abs(relative), code, signed, seed)
     if signed:
         code = tf.where(relative < 0, -code, code)
     else:
