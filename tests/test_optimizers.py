@@ -6,27 +6,50 @@ import tensorflow as tf
 from kvram.optimizers import AdamW8bit, _blockwise
 
 
-@pytest.mark.parametrize("signed", [True, False])
-def test_a_round_trip_errs_by_at_most_half_a_bin(signed):
+def _values(signed):
     rng = np.random.default_rng(0)
     x = (rng.normal(size=6000) * np.exp(rng.uniform(-16, 0, size=6000))).astype("float32")
-    x = x if signed else np.abs(x)
+    return x if signed else np.abs(x)
+
+
+def _round_trip(x, signed):
     codes, scales = _blockwise.quantize(x, 2048, signed)
     assert codes.dtype == tf.int8 and codes.shape == (3, 2048) and scales.shape == (3,)
     y = _blockwise.dequantize(codes, scales, x.shape, signed).numpy()
-    relative = np.abs(x) / np.repeat(scales.numpy(), 2048)[:6000]
+    return y, np.repeat(scales.numpy(), 2048)[:x.size]
+
+
+def test_a_signed_round_trip_errs_by_at_most_half_a_log_step():
+    x = _values(True)
+    y, scale = _round_trip(x, True)
+    relative = np.abs(x) / scale
+    smallest = _blockwise.magnitudes(True)[1]
+    inside = relative >= smallest
+    assert 0.3 < inside.mean() < 0.9  # both sides of the map's range are tested
+    half_step = 10.0 ** (_blockwise.SIGNED_DECADES / _blockwise.SIGNED_CODES / 2) - 1  # 4.6%
+    assert np.all(np.abs(y - x)[inside] <= half_step * np.abs(x)[inside] * (1 + 1e-4))
+    assert np.all(np.sign(y[inside]) == np.sign(x[inside]))
+    below = ~inside  # below the smallest code: 0 or the smallest code, whichever is nearer
+    assert np.all(np.abs(y - x)[below] <= 0.5 * smallest * scale[below] * (1 + 1e-4))
+    assert np.all(y[relative == 1] == x[relative == 1])  # each block's largest value is exact
+
+
+def test_a_non_negative_round_trip_errs_by_at_most_half_a_bin():
+    x = _values(False)
+    y, scale = _round_trip(x, False)
+    relative = x / scale
     decade = np.clip(np.floor(np.log10(np.maximum(relative, 1e-30))) + 7, 0, 6)
-    bins = 2.0 ** decade * (1 if signed else 2)
-    half_bin = 0.45 * 10.0 ** (decade - 6) / bins * np.repeat(scales.numpy(), 2048)[:6000]
+    half_bin = 0.45 * 10.0 ** (decade - 6) / 2.0 ** (decade + 1) * scale
     inside = relative >= 1e-7
     assert np.all(np.abs(y - x)[inside] <= half_bin[inside] * (1 + 1e-4) + 1e-12)
-    assert np.all(np.abs(y[~inside]) == 0)  # below 1e-7 of the scale: zero
-    assert np.all(np.sign(y[inside]) == np.sign(x[inside]))
+    assert np.all(y[~inside] == 0)  # below 1e-7 of the scale: zero
+    assert np.all(y[inside] > 0)
 
 
 def test_the_maps_use_every_code():
-    assert len(_blockwise.magnitudes(True)) == 128 and len(_blockwise.magnitudes(False)) == 256
-    assert np.all(np.diff(_blockwise.magnitudes(False)) > 0) and _blockwise.magnitudes(False)[-1] == 1.0
+    for signed, size in ((True, 128), (False, 256)):
+        mags = _blockwise.magnitudes(signed)
+        assert len(mags) == size and mags[0] == 0 and np.all(np.diff(mags) > 0) and mags[-1] == 1.0
 
 
 def _model(optimizer, jit=False):
