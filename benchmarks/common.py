@@ -269,11 +269,9 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
 
 
 def _report(benchmark, script, rate, args, describe_run, results) -> dict:
-    header = result_header(benchmark, script)
     return {
-        **{k: header[k] for k in ("benchmark", "date", "commit")},
+        **result_header(benchmark, script),
         "gpu": gpu_name() if args.device.startswith("GPU") else f"none ({args.device}, a smoke run)",
-        "command": header["command"],
         "rate": rate,
         "batch": args.batch,
         "steps": args.steps,
