@@ -26,13 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from benchmarks.common import commit, gpu_name, result_header  # noqa: E402
 PARTS = ("by_hand", "adaptive", "fixed", "find", "adaptive_async", "micro")
 
 
@@ -270,28 +271,6 @@ def part_micro(args):
             "peak_bytes": kvram.memory.peak_bytes(device), "device": device}
 
 
-def environment():
-    info = {"python": platform.python_version(), "host": platform.node()}
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        info["gpu"] = pynvml.nvmlDeviceGetName(handle)
-        info["driver"] = pynvml.nvmlSystemGetDriverVersion()
-    except Exception as error:  # noqa: BLE001 - CPU machines have no NVML
-        info["gpu"] = f"none ({error})"
-    return info
-
-
-def _commit():
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=PARTS, action="append")
@@ -342,13 +321,13 @@ def main(argv=None):
             ("AdaptiveBatchSize", "find_max", "by_hand"), env,
         )
         record["wall_seconds"] = seconds
-        record["commit"] = _commit()
+        record["commit"] = commit()
         results[key] = record
         print(json.dumps({k: v for k, v in record.items() if k not in ("probes", "events")}),
               flush=True)
         with open(args.out, "w") as handle:
-            json.dump({"environment": environment(), "limit_gib": args.limit_gib,
-                       "command": " ".join(sys.argv), "parts": results}, handle, indent=1)
+            json.dump({**result_header("adaptive", __file__), "gpu": gpu_name(), "limit_gib": args.limit_gib,
+                       "parts": results}, handle, indent=1)
 
 
 if __name__ == "__main__":

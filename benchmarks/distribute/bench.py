@@ -1,4 +1,4 @@
-"""Data parallel on GPUs (issue 14): kvram's ResNet50 (mixed_bfloat16, every part a
+"""Data parallel on GPUs: kvram's ResNet50 (mixed_bfloat16, every part a
 `kvram.layers.Checkpoint`, XLA) at `--batch` images per GPU, synthetic data, SGD:
 
 1. `single`: one GPU (`CUDA_VISIBLE_DEVICES` = the first), no strategy;

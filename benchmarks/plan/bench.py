@@ -1,4 +1,4 @@
-"""`kvram plan --measure` on the GPU (issue 12): predicted vs measured peak of
+"""`kvram plan --measure` on the GPU: predicted vs measured peak of
 the recommended configuration, under logical memory caps, for
 keras.applications models at a training batch.
 
@@ -24,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import gpu_name  # noqa: E402
+from common import gpu_name, result_header, versions, write_result  # noqa: E402
 
 
 def child(args) -> dict:
@@ -185,8 +185,8 @@ def main() -> None:
         args.model, args.cap = args.model[0], args.cap[0]
         print("RESULT " + json.dumps(child(args)), flush=True)
         return
-    import keras
-    import tensorflow as tf
+    import keras  # noqa: F401  (versions() reports the imported ones)
+    import tensorflow as tf  # noqa: F401
 
     runs = []
     for model in args.model:
@@ -209,12 +209,8 @@ def main() -> None:
                 entry = {"model": model, "cap": cap, "error": f"timed out after {args.timeout} s"}
             print(json.dumps(entry)[:2000], flush=True)
             runs.append(entry)
-            with open(args.out, "w") as f:
-                json.dump({"benchmark": "plan", "issue": 12, "gpu": gpu_name(),
-                           "tensorflow": tf.__version__, "keras": keras.__version__,
-                           "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d"),
-                           "command": " ".join(sys.argv), "runs": runs}, f, indent=2)
-
+            write_result(args.out, {**result_header("plan", __file__), "gpu": gpu_name(), "versions": versions(),
+                                    "runs": runs})
 
 if __name__ == "__main__":
     main()
