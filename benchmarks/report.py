@@ -30,9 +30,9 @@ SUITES = (
     ("ViT-B/16, batch 256", "vit_h200.json", "torch_fp16_compile",
      {"plain": "keras_bf16", "fastest": "kvram_fast", "leanest": "kvram_lean"}),
     ("Llama 1.2B, 4 x 2048 tokens", "decoder_llama_h200.json", "torch_compile",
-     {"checkpointed": "torch_compile_ckpt", "fastest": "kvram_fast", "leanest": "kvram_lean"}),
+     {"plain": "keras_bf16", "checkpointed": "torch_compile_ckpt", "fastest": "kvram_fast", "leanest": "kvram_lean"}),
     ("GPT-2-medium, 8 x 1024 tokens", "decoder_gpt2_h200.json", "torch_compile",
-     {"checkpointed": "torch_compile_ckpt", "fastest": "kvram_fast"}),
+     {"plain": "keras_bf16", "checkpointed": "torch_compile_ckpt", "fastest": "kvram_fast"}),
 )
 ROLES = (("plain", "plain Keras"), ("peer", "PyTorch `torch.compile`"),
          ("checkpointed", "PyTorch `torch.compile`, checkpointed"), ("fastest", "kvram, fastest"),
