@@ -46,7 +46,6 @@ def setup(limit_gib, smoke):
         tf.config.set_logical_device_configuration(
             gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(limit_gib * 1024))]
         )
-    sys.path.insert(0, ROOT)
     import keras
 
     shape = (32, 32, 3) if smoke else (224, 224, 3)
