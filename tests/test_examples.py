@@ -65,7 +65,7 @@ def test_budget_example_trains_within_its_budget(example, request):
     if in_own_process(request):  # the allocator's peak while training, in a process of its own
         return
     # smaller than the examples' defaults (MobileNetV3Small at 64x64, a 4-layer GPT-2 over 256
-    # tokens: 97 s and 70 s on 2 cores): the same planning and training, a third of the checks' time
+    # tokens: 97 s and 70 s on 2 cores): the same planning and training in 55 s and 29 s
     smaller = {"fit_a_budget": ["--model", "MobileNet", "--size", "32"],
                "transformer_budget": ["--layers", "2", "--sequence", "128"]}[example]
     chosen, budget, peak = load(example).main(["--steps", "2", *smaller])

@@ -212,5 +212,6 @@ def main() -> None:
             write_result(args.out, {**result_header("plan", __file__), "gpu": gpu_name(), "versions": versions(),
                                     "runs": runs})
 
+
 if __name__ == "__main__":
     main()
