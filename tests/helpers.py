@@ -57,14 +57,17 @@ def run_with_peak(step, *args, warm: bool = False, repeat: int = 1):
 
 def usual_peak(make_step, warm: bool = False, repeat: int = 1) -> int:
     """`run_with_peak`'s peak of a step that `make_step()` returns as a new
-    `tf.function`; under one_op_order(), the lower of two traces, as the
-    planner's checks take it (`kvram.remat._check._step_peak_or_raise`: a
-    trace's peak repeats, but a few traces of one model peak higher than most)."""
+    `tf.function`; under one_op_order(), the median of three traces, as the
+    planner's checks take it (`kvram.remat._check._step_check`'s `settled`: a
+    trace's peak repeats, but a few traces of one model peak higher or lower
+    than most)."""
+    from statistics import median_low
+
     from kvram.remat._check import _TRACES
     from kvram.remat._profile import peak_steps
 
     traces = _TRACES if peak_steps() == 1 else 1
-    return min(run_with_peak(make_step(), warm=warm, repeat=repeat)[1] for _ in range(traces))
+    return median_low(run_with_peak(make_step(), warm=warm, repeat=repeat)[1] for _ in range(traces))
 
 
 def one_op_order():
