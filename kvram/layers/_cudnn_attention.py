@@ -18,7 +18,10 @@ Dropout: the calls with dropout (`...SoftmaxDropout`, rate and seed in the
 configuration) are traced as XLA expects them, but a step that runs one ends
 the process with a segmentation fault under TensorFlow 2.21 on an H200 (every
 case with dropout, with or without a causal mask or a bias; the same cases
-without dropout run), so `cudnn_attention` refuses a rate above 0 and
+without dropout run). It crashes alike with JAX's whole configuration
+(`is_flash_attention`, `sliding_window_length`, the operation queue fields) and
+with XLA's command buffers off (`--xla_gpu_enable_command_buffer=`), where JAX
+0.11's own calls with dropout run on the same GPU. So `cudnn_attention` refuses a rate above 0 and
 `MemoryEfficientAttention` computes attention dropout in its chunks.
 """
 
