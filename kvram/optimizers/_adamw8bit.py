@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kvram.optimizers import _blockwise
+from kvram.optimizers import _blockwise, _rounding
 
 
 @keras.saving.register_keras_serializable(package="kvram")
@@ -25,13 +25,23 @@ class AdamW8bit(keras.optimizers.AdamW):
     checkpoints are tested (tests/test_optimizers.py); `amsgrad` is not supported. The other
     arguments are `keras.optimizers.AdamW`'s.
 
+    bfloat16 weights (a model built under `keras.config.set_dtype_policy("bfloat16")`: no
+    float32 copy of them anywhere) are updated in float32, weight decay included, and the result
+    rounded back as `rounding` says (kvram/optimizers/_rounding.py): rounded to the nearest, an
+    update under half a bfloat16 step (2**-8 of the weight) is lost, and training stalls.
+
     Args:
         block_size: values per quantization block (a positive multiple of 64; 2048 by default).
         min_8bit_size: variables with fewer values keep float32 moments (4096 by default).
+        rounding: how updated bfloat16 weights are rounded: "stochastic" (the default; up or
+            down at random, unbiased; no state), "kahan" (to the nearest, with a bfloat16
+            buffer per weight that carries what rounding lost into the next update: 2 bytes
+            per value) or "nearest" (as Keras does). float32 weights are unaffected; float16
+            weights are refused unless "nearest".
     """
 
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 block_size=2048, min_8bit_size=4096, name="adamw8bit", **kwargs):
+                 block_size=2048, min_8bit_size=4096, rounding="stochastic", name="adamw8bit", **kwargs):
         if kwargs.get("amsgrad"):
             raise ValueError("AdamW8bit does not support amsgrad=True (its third moment would be float32); "
                              "use keras.optimizers.AdamW(amsgrad=True)")
@@ -40,10 +50,13 @@ class AdamW8bit(keras.optimizers.AdamW):
             raise ValueError(f"block_size must be a positive multiple of 64, got {block_size!r}")
         if not isinstance(min_8bit_size, (int, np.integer)) or min_8bit_size < 0:
             raise ValueError(f"min_8bit_size must be a non-negative integer, got {min_8bit_size!r}")
+        if rounding not in _rounding.ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(map(repr, _rounding.ROUNDINGS))}, got {rounding!r}")
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2,
                          epsilon=epsilon, name=name, **kwargs)
         self.block_size = int(block_size)
         self.min_8bit_size = int(min_8bit_size)
+        self.rounding = rounding
 
     def _quantized(self, variable) -> bool:
         return int(np.prod(variable.shape)) >= self.min_8bit_size
@@ -54,7 +67,17 @@ class AdamW8bit(keras.optimizers.AdamW):
         keras.optimizers.Optimizer.build(self, var_list)  # not Adam's: its float32 moments are what this replaces
         # per variable: (m, v) float32, or ((m codes, m scales), (v codes, v scales))
         self._moments = []
+        # per variable: its Kahan compensation (bfloat16 weights under rounding="kahan"), else None
+        self._compensations = []
         for variable in var_list:
+            if variable.dtype == "float16" and self.rounding != "nearest" and variable.trainable:
+                raise ValueError(
+                    f"AdamW8bit(rounding={self.rounding!r}) rounds bfloat16 weights; {variable.path} is float16. "
+                    "Allowed: float32 or bfloat16 weights, or rounding='nearest'.")
+            self._compensations.append(
+                self.add_variable(variable.shape, dtype="bfloat16", name=f"{variable.path.replace('/', '_')}_kahan",
+                                  initializer="zeros")
+                if self._rounded(variable) and self.rounding == "kahan" else None)
             if getattr(variable, "overwrite_with_gradient", False):
                 self._moments.append(None)
                 continue
@@ -69,6 +92,15 @@ class AdamW8bit(keras.optimizers.AdamW):
                 (self.add_variable((blocks, self.block_size), dtype="int8", name=f"{name}_{kind}_codes"),
                  self.add_variable((blocks,), dtype="float32", name=f"{name}_{kind}_scales"))
                 for kind in ("momentum", "velocity")))
+
+    def _rounded(self, variable) -> bool:
+        """Whether `variable`'s updates are rounded as `rounding` says (here, not by Keras)."""
+        return variable.dtype == "bfloat16" and self.rounding != "nearest"
+
+    def _apply_weight_decay(self, variables):
+        # the rounded ones decay in update_step, in float32: in bfloat16, Keras's
+        # `variable * weight_decay * learning_rate` is under half a step and lost
+        super()._apply_weight_decay([v for v in variables if not self._rounded(v)])
 
     def update_step(self, gradient, variable, learning_rate):
         dtype = variable.dtype
@@ -87,7 +119,11 @@ class AdamW8bit(keras.optimizers.AdamW):
             m, v = (tf.convert_to_tensor(s) for s in state)
         m = m + (gradient - m) * (1 - beta_1)
         v = v + (tf.square(gradient) - v) * (1 - beta_2)
-        self.assign_sub(variable, tf.cast(m * alpha / (tf.sqrt(v) + self.epsilon), dtype))
+        update = m * alpha / (tf.sqrt(v) + self.epsilon)
+        if self._rounded(variable):
+            self._assign_rounded(variable, update, lr)
+        else:
+            self.assign_sub(variable, tf.cast(update, dtype))
         if quantized:
             # the second moment's root: half the decades of the second moment, so the map's finer ones
             for (codes, scales), value, signed in (((m_codes, m_scales), m, True),
@@ -99,8 +135,24 @@ class AdamW8bit(keras.optimizers.AdamW):
             self.assign(state[0], m)
             self.assign(state[1], v)
 
+    def _assign_rounded(self, variable, update, lr):
+        """variable - weight decay - update, computed in float32 and rounded to bfloat16."""
+        index = self._get_variable_index(variable)
+        weight = tf.cast(variable, tf.float32)
+        delta = -update
+        if self.weight_decay is not None and self._use_weight_decay(variable):
+            delta = delta - weight * tf.cast(self.weight_decay, tf.float32) * lr
+        if self.rounding == "kahan":
+            compensation = self._compensations[index]
+            new, lost = _rounding.kahan_add(variable, compensation, delta)
+            self.assign(compensation, lost)
+        else:  # a new draw per step and per variable
+            seed = tf.stack([tf.cast(self.iterations, tf.int32), tf.constant(index, tf.int32)])
+            new = _rounding.stochastic_round(weight + delta, seed)
+        self.assign(variable, new)
+
     def get_config(self):
         config = super().get_config()
         config.pop("amsgrad", None)
-        config.update({"block_size": self.block_size, "min_8bit_size": self.min_8bit_size})
+        config.update({"block_size": self.block_size, "min_8bit_size": self.min_8bit_size, "rounding": self.rounding})
         return config
