@@ -75,6 +75,12 @@ def test_estimate_extrapolates_and_recommends_what_fits():
     assert rows[(16, "none")].predicted_peak_bytes < rows[(32, "none")].predicted_peak_bytes < plain.predicted_peak_bytes
     text = str(found)
     assert "<- recommended" in text and "float32" in text, text
+    # what stays beside the step, per precision: in the table and through the JSON report
+    state = found.state["float32"]
+    weights = sum(int(np.prod(v.shape)) * 4 for v in small_model().variables)
+    assert state["weights"] == weights and 0 < state["gradients"] <= weights and state["optimizer"] >= 2 * state["gradients"]
+    assert "float32: weights" in text and "optimizer state" in text, text
+    assert remat.Estimate.from_json(json.loads(json.dumps(found.to_json()))).state == found.state
 
 
 @pytest.mark.slow

@@ -394,6 +394,8 @@ def test_plan_apply_is_the_same_model_on_the_same_variables(chain_plan):
     table = str(chosen)
     assert f"{len(chosen.segments)} segments" in table and "predicted" in table, table
     assert table.count("yes") == sum(b - a + 1 for a, b in chosen.runs), table
+    gradients = sum(v.numpy().nbytes for v in model.trainable_variables)
+    assert f"gradients {gradients / 2**20:,.1f} MiB" in table and "optimizer state" in table, table
 
 
 @pytest.mark.slow
@@ -938,3 +940,20 @@ def test_the_probe_batches_share_one_trace_and_measure_as_alone(monkeypatch):
         # moved by up to 0.25 MiB.
         assert abs(max(ours.need) - max(theirs.need)) <= 2**19, (ours.need, theirs.need)
     assert shared[1].output == tuple(2 * o for o in shared[0].output)  # measured at each batch's rows
+
+
+def test_state_counts_weights_optimizer_batches_and_gradients_of_trainable_weights_only():
+    """Frozen weights (as `enable_lora` leaves a base model's) cost no gradient
+    and no optimizer state; 8-bit moments count at their int8 size."""
+    from kvram.optimizers import AdamW8bit
+    from kvram.remat._plan import state_bytes
+
+    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256), keras.layers.Dense(256)])
+    model.layers[0].trainable = False
+    weights = 2 * (256 * 256 + 256) * 4
+    state = state_bytes(model, keras.optimizers.AdamW(), batch_bytes=1000, device="CPU:0")
+    assert state["weights"] == weights and state["gradients"] == weights // 2 and state["batches"] == 1000
+    assert 2 * weights // 2 <= state["optimizer"] <= 2 * weights // 2 + 64  # two float32 moments, + iterations
+    eight_bit = state_bytes(model, AdamW8bit(min_8bit_size=0, block_size=256), batch_bytes=1000, device="CPU:0")
+    moments = 2 * ((256 * 256 + 256) + (256 + 1) * 4)  # int8 codes (the bias padded to a block) and scales
+    assert moments <= eight_bit["optimizer"] <= moments + 64, eight_bit

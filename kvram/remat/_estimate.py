@@ -123,6 +123,8 @@ class Estimate:
     # Precisions not measured: a configuration of one preferred to them fits
     # (`estimate`'s every_precision).
     not_estimated: list = dataclasses.field(default_factory=list)
+    # Per precision: what stays beside the step, and its gradients (`remat.state_bytes`'s keys).
+    state: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         # Fields read one by one: dataclasses.asdict would deep-copy each row's plan (its
@@ -139,7 +141,7 @@ class Estimate:
         return {"memory_bytes": self.memory_bytes, "margin": self.margin,
                 "batch_size": self.batch_size, "check_at": self.check_at, "configurations": rows,
                 "segments": segments, "measured": self.measured, "log": list(self.log),
-                "not_estimated": list(self.not_estimated)}
+                "not_estimated": list(self.not_estimated), "state": dict(self.state)}
 
     @classmethod
     def from_json(cls, report: dict) -> "Estimate":
@@ -154,7 +156,7 @@ class Estimate:
                    batch_size=report["batch_size"], configurations=rows, recommended=recommended,
                    measured=report.get("measured"), check_at=report["check_at"],
                    log=[tuple(entry) for entry in report.get("log", [])],
-                   not_estimated=list(report.get("not_estimated", [])))
+                   not_estimated=list(report.get("not_estimated", [])), state=dict(report.get("state", {})))
 
     def __str__(self) -> str:
         rows = [
@@ -176,6 +178,11 @@ class Estimate:
                         f"GPU its buffer assignment read, on a CPU run / run on the graph executor) {where}; "
                         "oom = that step ran out of the device's memory (the peak shown is a lower bound); "
                         "executor = predicted from the cut-by-cut measurement (over-predicts XLA's)")
+        for precision, st in self.state.items():
+            rows.append(f"{precision}: weights {_size(st['weights'])}, gradients {_size(st['gradients'])} "
+                        f"(trainable weights only; micro-batches add as many in float32), optimizer state "
+                        f"{_size(st['optimizer'])}, batches {_size(st['batches'])}; the rest of each peak is "
+                        "activations")
         if self.not_estimated:
             rows.append(f"not estimated: {', '.join(self.not_estimated)} (a preferred precision fits; "
                         "every_precision, or `kvram plan --every-precision`, estimates them too)")
@@ -297,7 +304,7 @@ def estimate(
     store = CheckStore(checks_file, log)
     limit = int(memory_bytes * (1 - margin))
     previous = keras.config.dtype_policy().name
-    configurations, done, skipped, recommended = [], set(), [], None
+    configurations, done, skipped, recommended, states = [], set(), [], None, {}
     with checking.new_garbage_only():  # the checks' collections scan what the estimate makes
         try:
             for requested in precisions:
@@ -315,7 +322,7 @@ def estimate(
                 done.add(precision)
                 if precision != requested:  # a loaded .keras model keeps its own: every precision builds it
                     done.update(precisions)
-                rows_of, checker = _configurations(
+                rows_of, checker, states[precision] = _configurations(
                     model, precision, batch_size, micro_batch_sizes, (low_rows, high_rows), limit,
                     optimizer, loss, jit_compile, exact, log, store, micro_batch_overhead,
                 )
@@ -330,7 +337,7 @@ def estimate(
                   f"{recommended.micro_batch_size or '-'}, remat {recommended.remat}" if recommended else
                   ": nothing fits"))
     return Estimate(memory_bytes, margin, batch_size, configurations, recommended,
-                    check_at="batch" if exact else "probes", log=log.lines, not_estimated=skipped)
+                    check_at="batch" if exact else "probes", log=log.lines, not_estimated=skipped, state=states)
 
 
 def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows, limit,
@@ -352,7 +359,8 @@ def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows,
     )
     sample = int(np.prod(shape)) * 4 + 8  # float32 input and an int64 label per row
     # the whole batch, and on a GPU those prefetched, whatever the micro-batches
-    fixed = _plan.resident_bytes(model, optimizer, sample * batch_size, memory._device_name(None))
+    state = _plan.state_bytes(model, optimizer, sample * batch_size, memory._device_name(None))
+    fixed = state["weights"] + state["optimizer"] + state["batches"]
     configurations = []
     for micro in [None] + list(micro_batch_sizes):
         rows = micro or batch_size
@@ -383,7 +391,7 @@ def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows,
                 predicted_by="executor", executor_peak_bytes=peak,
             ))
             configurations[-1]._planning = (model, chain, profile, resident, rows)
-    return configurations, checker
+    return configurations, checker, state
 
 
 def _checks_exact(check_at, memory_bytes) -> bool:

@@ -110,16 +110,20 @@ class Plan:
     # The runs behind minimum_peak_bytes, once the least-memory candidates
     # were checked (for `with_budget`); None before.
     least_runs: tuple | None = dataclasses.field(default=None, repr=False)
+    # `state_bytes` of the model, optimizer and batch planned for (None: not counted)
+    state: dict | None = dataclasses.field(default=None, repr=False)
 
     def with_budget(self, budget_bytes) -> "Plan":
         """The plan for another budget (None: least memory), from the same
         measurement (no step is run, except, for a checked plan, the XLA
         check of a choice not checked before)."""
         with new_garbage_only():
-            return _plan_for(
+            chosen = _plan_for(
                 self.model, self.segments, self.profile, self.resident_bytes,
                 _check_budget(budget_bytes), self.batch_size, self.check, self.least_runs,
             )
+        chosen.state = self.state
+        return chosen
 
     def predict(self, runs) -> int:
         """Predicted peak (total bytes) if `runs` were recomputed instead."""
@@ -154,9 +158,15 @@ class Plan:
                 f"{'yes' if s.index in recomputed else ''}"
             )
         budget = "none (least memory)" if self.budget_bytes is None else f"{_mib(self.budget_bytes)} MiB"
+        rows.append(f"budget: {budget}; resident (variables, optimizer, batch): {_mib(self.resident_bytes)} MiB")
+        if self.state is not None:
+            st = self.state
+            step = self.predicted_peak_bytes - self.resident_bytes
+            rows.append(
+                f"  weights {_mib(st['weights'])} MiB, optimizer state {_mib(st['optimizer'])} MiB, "
+                f"batches {_mib(st['batches'])} MiB; planned step {_mib(step)} MiB: gradients "
+                f"{_mib(st['gradients'])} MiB, activations and the rest {_mib(max(step - st['gradients'], 0))} MiB")
         rows += [
-            f"budget: {budget}; resident (variables, optimizer, batch): "
-            f"{_mib(self.resident_bytes)} MiB",
             f"peak: plain {'out of memory, over ' if self.plain_out_of_memory else ''}"
             f"{_mib(self.plain_peak_bytes)} MiB, planned "
             f"{_mib(self.predicted_peak_bytes)} MiB, least possible "
@@ -251,7 +261,8 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
     loss_fn = _loss_function(model, loss)
     jit = _uses_xla(model, jit_compile, device)
     batch = sum(int(np.prod(t.shape)) * t.dtype.size for t in tree.flatten((x, y)) if t is not None)
-    resident = resident_bytes(model, optimizer, batch, device)
+    state = state_bytes(model, optimizer, batch, device)
+    resident = state["weights"] + state["optimizer"] + state["batches"]
     if budget_bytes is not None and budget_bytes < resident:
         # no step fits beside what stays on the device: said before any step is measured
         raise ValueError(
@@ -270,18 +281,32 @@ def plan(model, sample_batch, budget_bytes=None, *, loss=None, optimizer=None, j
         how = "XLA-compiled" if jit else "on the graph executor"
         log(f"measured cut by cut; checking choices as training will run them ({how})")
         chosen = _plan_for(model, chain, profile, resident, budget_bytes, _rows(x), check)
+    chosen.state = state
     log(f"done: {len(chosen.runs)} recomputed run(s), predicted peak {_mib(chosen.predicted_peak_bytes)} MiB "
         f"(plain {_mib(chosen.plain_peak_bytes)} MiB)")
     return chosen
+
+
+def state_bytes(model, optimizer, batch_bytes: int, device: str) -> dict:
+    """What stays on `device` beside a training step, by kind: "weights" (the
+    model's variables), "optimizer" (the state of `optimizer`, else of the
+    model's; none if neither), "batches" (`batch_bytes` times
+    `batch_copies(device)`); and, inside each step, "gradients": one per
+    trainable weight (frozen weights, as `enable_lora` leaves them, have none)."""
+    return {
+        "weights": sum(_nbytes(v) for v in model.variables),
+        "optimizer": _optimizer_bytes(model, optimizer),
+        "batches": batch_copies(device) * batch_bytes,
+        "gradients": sum(_nbytes(v) for v in model.trainable_variables),
+    }
 
 
 def resident_bytes(model, optimizer, batch_bytes: int, device: str) -> int:
     """What stays on `device` beside a training step: the model's variables,
     the optimizer's state (`optimizer`, else the model's; none if neither),
     and a batch of `batch_bytes` times `batch_copies(device)`."""
-    return sum(_nbytes(v) for v in model.variables) + _optimizer_bytes(model, optimizer) + (
-        batch_copies(device) * batch_bytes
-    )
+    state = state_bytes(model, optimizer, batch_bytes, device)
+    return state["weights"] + state["optimizer"] + state["batches"]
 
 
 def batch_copies(device: str) -> int:
