@@ -957,3 +957,40 @@ def test_state_counts_weights_optimizer_batches_and_gradients_of_trainable_weigh
     eight_bit = state_bytes(model, AdamW8bit(min_8bit_size=0, block_size=256), batch_bytes=1000, device="CPU:0")
     moments = 2 * ((256 * 256 + 256) + (256 + 1) * 4)  # int8 codes (the bias padded to a block) and scales
     assert moments <= eight_bit["optimizer"] <= moments + 64, eight_bit
+
+
+@pytest.mark.slow  # a plan: 8 s on 2 cores
+def test_a_lora_model_on_int8_weights_plans_and_counts_only_its_trainable_state():
+    """Keras's `quantize("int8")` and `enable_lora` (as KerasHub's Gemma fine-tuning
+    guide uses them) under `remat.plan`: the frozen int8 kernels count as weights at one
+    byte, with no gradient or optimizer state; the planned model computes the same
+    outputs and gradients of the LoRA weights, and trains."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    h = inputs
+    for i in range(6):
+        h = keras.layers.Dense(256, activation="relu", name=f"d{i}")(h)
+    model = keras.Model(inputs, keras.layers.Dense(10, activation="softmax", name="head")(h))
+    for layer in model.layers[1:-1]:
+        layer.quantize("int8")
+        layer.enable_lora(4)
+    x = np.random.default_rng(0).random((64, 64)).astype("float32")
+    y = np.arange(64) % 10
+    chosen = remat.plan(model, (x, y), loss=_LOSS, optimizer="adamw")
+    trainable = sum(v.numpy().nbytes for v in model.trainable_variables)
+    frozen_int8 = 64 * 256 + 5 * 256 * 256
+    assert chosen.state["gradients"] == trainable < 0.2 * chosen.state["weights"]
+    assert chosen.state["weights"] >= trainable + frozen_int8
+    assert 2 * trainable <= chosen.state["optimizer"] <= 2 * trainable + 64  # AdamW: two moments of each
+    assert chosen.runs, str(chosen)
+    planned = chosen.apply()
+    state = [tf.identity(v) for v in model.variables]
+    variables = model.trainable_variables
+    ours, theirs = _step(planned, variables, state, x, y), _step(model, variables, state, x, y)
+    assert max_rel_diff(theirs[:1], ours[:1]) < 1e-5
+    assert max_rel_diff(theirs[1:], ours[1:], per_tensor=False) < 1e-5
+    planned.compile("adamw", _LOSS)
+    before = [v.numpy() for v in model.variables if not v.trainable]
+    losses = planned.fit(x, y, epochs=3, verbose=0).history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, [v for v in model.variables if not v.trainable]))
