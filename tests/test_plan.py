@@ -926,7 +926,8 @@ def _report(recommended_runs=((2, 3),)):
                     "not_checked": None, "runs": [list(r) for r in recommended_runs], "recommended": True}
     return {"memory_bytes": 2 * 2**20, "margin": 0.1, "batch_size": 16, "check_at": "batch",
             "configurations": [row, chosen], "segments": {"float32": ["a", "b"]}, "measured": None,
-            "log": [[0.5, "measured cut by cut"]], "not_estimated": ["mixed_float16"]}
+            "log": [[0.5, "measured cut by cut"]], "not_estimated": ["mixed_float16"],
+            "state": {"float32": {"weights": 2**19, "optimizer": 2**20, "batches": 4096, "gradients": 2**19}}}
 
 
 def test_an_estimate_read_back_from_its_json_is_the_same():
@@ -937,6 +938,7 @@ def test_an_estimate_read_back_from_its_json_is_the_same():
     again = found.to_json()
     assert json.loads(json.dumps(again)) == report | {"segments": {}}  # the segments are its plans', which JSON does not hold
     assert str(remat.Estimate.from_json(again)) == str(found) and "<- recommended" in str(found)
+    assert "float32: weights 0.5 MiB, gradients 0.5 MiB" in str(found), str(found)
 
 
 class _MeasuringChild:
