@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import keras
 import numpy as np
 import pytest
 
@@ -115,6 +116,11 @@ def test_estimate_with_nothing_that_fits():
     found = remat.estimate(small_model, 32, memory_bytes=10**5, precisions=("float32",))
     assert found.recommended is None and not any(c.fits for c in found.configurations)
     assert "nothing fits" in str(found)
+    # Adam's moments: the table says what 8-bit ones would take, and that it still does not fit
+    state = found.state["float32"]
+    # (most of this small model's variables are under AdamW8bit's 4096 values: float32 moments)
+    assert 0 < state["optimizer_8bit"] <= state["optimizer"], state
+    assert "float32 with 8-bit moments (--optimizer adamw8bit" in str(found) and "still does not fit" in str(found)
     # the variables alone are over 100 kB: no step is checked, each row says so
     messages = [message for _, message in found.log]
     assert not any("checked" in m and "not checked" not in m for m in messages), messages
@@ -1156,3 +1162,34 @@ def test_checks_of_one_recomputation_at_other_rows_share_its_trace(tmp_path):
     assert 0 < peaks[0] < peaks[1] < peaks[2], peaks  # each measured at its own rows
     (trained, step), = checker.steps.values()
     assert trained is model and step.experimental_get_tracing_count() == 1
+
+
+def test_where_nothing_fits_the_table_says_whether_8_bit_moments_would():
+    report = _report()
+    report["configurations"][1] |= {"remat": "least", "fits": False, "recommended": False}
+    report["state"]["float32"]["optimizer_8bit"] = 2**18  # saves 0.75 MiB of the 1 MiB
+    found = remat.Estimate.from_json(report)
+    assert found.recommended is None
+    # the least-memory row, 1 MiB, less 0.75 MiB, within 0.9 x 2 MiB
+    assert "optimizer state 0.2 MiB instead of 1.0 MiB; the least-memory row would take 0.2 MiB and fits" \
+        in str(found), str(found)
+    report["configurations"][1]["predicted_peak_bytes"] = 3 * 2**20
+    assert "would take 2.2 MiB and still does not fit" in str(remat.Estimate.from_json(report))
+
+
+def test_adam_and_adamw_have_an_8_bit_alternative_with_their_settings():
+    from kvram.optimizers import AdamW8bit
+    from kvram.remat._plan import eight_bit_alternative, optimizer_from
+
+    assert isinstance(optimizer_from("adamw8bit"), AdamW8bit) and isinstance(optimizer_from("AdamW8bit"), AdamW8bit)
+    alternative = eight_bit_alternative(keras.optimizers.AdamW(3e-4, weight_decay=0.01, beta_2=0.95))
+    assert isinstance(alternative, AdamW8bit)
+    assert (float(alternative.learning_rate), alternative.weight_decay, alternative.beta_2) == pytest.approx((3e-4, 0.01, 0.95))
+    assert eight_bit_alternative("adam").weight_decay == 0.0
+    assert eight_bit_alternative("sgd") is None and eight_bit_alternative(AdamW8bit()) is None
+
+
+def test_the_estimate_takes_adamw8bit_by_name():
+    found = remat.estimate(small_model, 32, memory_bytes=10**5, precisions=("float32",), optimizer="adamw8bit")
+    state = found.state["float32"]
+    assert state["optimizer"] > 0 and "optimizer_8bit" not in state and "8-bit moments" not in str(found)

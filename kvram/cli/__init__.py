@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--input-shape", default=None, help="e.g. 224,224,3 (keras.applications)")
     planner.add_argument("--classes", type=_positive, default=1000)
     planner.add_argument("--batch-size", type=_positive, required=True)
-    planner.add_argument("--optimizer", default="adam")
+    planner.add_argument("--optimizer", default="adam",
+                         help="a Keras optimizer name, or adamw8bit (kvram.optimizers.AdamW8bit)")
     planner.add_argument("--gpu-memory", default=None, help="e.g. 48GB, 16GiB (default: the present GPU)")
     planner.add_argument(
         "--precision", default="mixed_bfloat16,mixed_float16,float32",

@@ -183,6 +183,8 @@ class Estimate:
                         f"(trainable weights only; micro-batches add as many in float32), optimizer state "
                         f"{_size(st['optimizer'])}, batches {_size(st['batches'])}; the rest of each peak is "
                         "activations")
+        if self.recommended is None:
+            rows += self._eight_bit_lines()
         if self.not_estimated:
             rows.append(f"not estimated: {', '.join(self.not_estimated)} (a preferred precision fits; "
                         "every_precision, or `kvram plan --every-precision`, estimates them too)")
@@ -191,6 +193,25 @@ class Estimate:
         if self.measured:
             rows.append(self.measured_line())
         return "\n".join(rows)
+
+    def _eight_bit_lines(self) -> list:
+        """Where nothing fits under Adam or AdamW: what 8-bit moments would save,
+        and whether each precision's least-memory row would then fit (predicted)."""
+        lines, limit = [], (1 - self.margin) * self.memory_bytes
+        for precision, st in self.state.items():
+            if "optimizer_8bit" not in st:
+                continue
+            saved = st["optimizer"] - st["optimizer_8bit"]
+            least = min((c.predicted_peak_bytes for c in self.configurations if c.precision == precision
+                         and c.remat == "least" and c.predicted_by != "oom"), default=None)
+            if least is None:
+                continue
+            verdict = "fits" if least - saved <= limit else "still does not fit"
+            lines.append(f"{precision} with 8-bit moments (--optimizer adamw8bit, kvram.optimizers.AdamW8bit): "
+                         f"optimizer state {_size(st['optimizer_8bit'])} instead of {_size(st['optimizer'])}; "
+                         f"the least-memory row would take {_size(least - saved)} and {verdict} (predicted, "
+                         "not checked)")
+        return lines
 
     def plain_configuration(self) -> Configuration | None:
         """The row of plain Keras in the recommended precision: the whole batch,
@@ -361,6 +382,9 @@ def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows,
     # the whole batch, and on a GPU those prefetched, whatever the micro-batches
     state = _plan.state_bytes(model, optimizer, sample * batch_size, memory._device_name(None))
     fixed = state["weights"] + state["optimizer"] + state["batches"]
+    eight_bit = _plan.eight_bit_alternative(optimizer)
+    if eight_bit is not None:  # its state, for the table's line when nothing fits
+        state["optimizer_8bit"] = _plan._optimizer_bytes(model, eight_bit)
     configurations = []
     for micro in [None] + list(micro_batch_sizes):
         rows = micro or batch_size

@@ -10,13 +10,14 @@ import numpy as np
 import tensorflow as tf
 
 from kvram import memory
+from kvram.remat import _plan
 from kvram.remat._segments import _groups, rebuild, segments
 
 
 def _fresh(optimizer):
     """A new optimizer like `optimizer` (a name or an instance), unbuilt."""
     if isinstance(optimizer, str):
-        return keras.optimizers.get(optimizer)
+        return _plan.optimizer_from(optimizer)  # a Keras name or "adamw8bit"
     return optimizer.__class__.from_config(optimizer.get_config())
 
 

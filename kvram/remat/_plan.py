@@ -179,12 +179,33 @@ class Plan:
         return "\n".join(rows)
 
 
+def optimizer_from(optimizer):
+    """A Keras optimizer from a name Keras knows ("adam", "adamw", ...) or
+    "adamw8bit" (`kvram.optimizers.AdamW8bit`), or the optimizer given."""
+    if isinstance(optimizer, str) and optimizer.lower() == "adamw8bit":
+        from kvram.optimizers import AdamW8bit
+
+        return AdamW8bit()
+    return keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
+
+
+def eight_bit_alternative(optimizer):
+    """`kvram.optimizers.AdamW8bit` with `optimizer`'s settings where it is
+    Keras's Adam or AdamW (its moments in 8 bits), else None."""
+    from kvram.optimizers import AdamW8bit
+
+    optimizer = optimizer_from(optimizer)
+    if type(optimizer) not in (keras.optimizers.Adam, keras.optimizers.AdamW) or optimizer.amsgrad:
+        return None
+    config = {k: v for k, v in optimizer.get_config().items() if k in ("learning_rate", "beta_1", "beta_2", "epsilon")}
+    return AdamW8bit(weight_decay=getattr(optimizer, "weight_decay", None) or 0.0, **config)
+
+
 def _optimizer_bytes(model, optimizer) -> int:
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     if optimizer is None:
         return 0
-    if isinstance(optimizer, str):
-        optimizer = keras.optimizers.get(optimizer)
+    optimizer = optimizer_from(optimizer)
     if not optimizer.built:
         # A fresh copy of it, built on the model's variables to count its state.
         optimizer = optimizer.__class__.from_config(optimizer.get_config())
