@@ -29,6 +29,7 @@ _KVRAM_ARGS = (
     "micro_batch_size",
     "clip_global_norm",
     "skip_nonfinite",
+    "update_in_backward",
     "max_consecutive_skips",
     "prefetch_to_gpu",
 )
@@ -105,6 +106,17 @@ class Model(keras.Model):
         accumulation_steps: int >= 1, batches per weight update.
         micro_batch_size: None (whole batches) or int >= 1, rows per forward and
             backward pass.
+        update_in_backward: bool. True: no step holds every gradient at once;
+            each weight's update uses its gradient as soon as it is made, and
+            XLA frees it then (PyTorch's "optimizer step in the backward pass").
+            With `skip_nonfinite` the backward pass runs twice: once to decide
+            the skip (each gradient reduced to a flag as it is made), once in
+            the applied branch (the same forward pass, so the same gradients):
+            about 1.7x the backward's compute. Needs the whole gradient first, so
+            refused with it: `accumulation_steps` > 1, `micro_batch_size`,
+            `clip_global_norm`, a `LossScaleOptimizer` (mixed_float16) and
+            several replicas. Memory measured on the CPU under XLA
+            (tests/test_model.py).
         clip_global_norm: None or float > 0, maximum global gradient norm.
         skip_nonfinite: bool, skip steps with NaN/Inf gradients.
         max_consecutive_skips: None (no limit) or int >= 1, skipped steps in a
@@ -146,6 +158,7 @@ class Model(keras.Model):
         skip_nonfinite: bool = True,
         max_consecutive_skips: int | None = 20,
         prefetch_to_gpu: int | None = PREFETCH_TO_GPU,
+        update_in_backward: bool = False,
         **kwargs,
     ):
         self.accumulation_steps = _checks.positive_int("accumulation_steps", accumulation_steps)
@@ -163,6 +176,9 @@ class Model(keras.Model):
         self.prefetch_to_gpu = _checks.positive_int(
             "prefetch_to_gpu", prefetch_to_gpu, allow_none=True
         )
+        self.update_in_backward = _checks.boolean("update_in_backward", update_in_backward)
+        if self.update_in_backward:
+            _step.check_update_in_backward(self)
         super().__init__(*args, **kwargs)
         self._built_under_policy = precision.current_policy()
         # kvram's counters, warnings given and compiled slice function: what the
@@ -184,6 +200,9 @@ class Model(keras.Model):
     @micro_batch_size.setter
     def micro_batch_size(self, value: int | None) -> None:
         value = _checks.positive_int("micro_batch_size", value, allow_none=True)
+        if value is not None and self.update_in_backward:
+            raise ValueError(f"micro_batch_size={value} cannot be set on a model with update_in_backward=True: "
+                             "its slices' gradients are summed before any update.")
         if value is not None:
             _step.check_mean_reductions(getattr(self, "loss", None))
             if self.built:
@@ -212,6 +231,10 @@ class Model(keras.Model):
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         if inner is not None:
             self._check_optimizer(inner)
+        if self.update_in_backward and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "update_in_backward=True cannot run with a LossScaleOptimizer (mixed_float16): it checks every "
+                "gradient before it applies any. Allowed: mixed_bfloat16 or float32, which need no loss scaling.")
         auto = steps_per_execution == _execution.AUTO
         super().compile(optimizer, *args, steps_per_execution=1 if auto else steps_per_execution, **kwargs)
         self._auto_steps_per_execution = auto
@@ -438,12 +461,16 @@ class Model(keras.Model):
         # Keras's TensorFlowTrainer.train_step, with the gradient handling below.
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         state = self._step_state
-        if self._micro_batch_size is None:
+        if self.update_in_backward and self.trainable_weights:
+            y_pred = _step.update_in_backward(self, state, x, y, sample_weight)
+        elif self._micro_batch_size is None:
             gradients, y_pred = _step.slice_gradients(self, x, y, sample_weight)
         else:
             y_pred = None
             gradients = _step.micro_batch_gradients(self, state, x, y, sample_weight, self._micro_batch_size)
-        if self.trainable_weights:
+        if self.update_in_backward and self.trainable_weights:
+            pass  # applied, each update as soon as its gradient is there
+        elif self.trainable_weights:
             finite = _step.all_finite(gradients)
             _step.apply_gradients(
                 self,
