@@ -112,7 +112,7 @@ class Model(keras.Model):
             With `skip_nonfinite` the backward pass runs twice: once to decide
             the skip (each gradient reduced to a flag as it is made), once in
             the applied branch (the same forward pass, so the same gradients):
-            about 1.7x the backward's compute. Needs the whole gradient first, so
+            about 1.7x a step's FLOPs. Needs the whole gradient first, so
             refused with it: `accumulation_steps` > 1, `micro_batch_size`,
             `clip_global_norm`, a `LossScaleOptimizer` (mixed_float16) and
             several replicas. Memory measured on the CPU under XLA
