@@ -116,7 +116,7 @@ class Model(keras.Model):
             refused with it: `accumulation_steps` > 1, `micro_batch_size`,
             `clip_global_norm`, a `LossScaleOptimizer` (mixed_float16) and
             several replicas. Memory measured on the CPU under XLA
-            (tests/test_model.py).
+            (tests/test_update_in_backward.py).
         clip_global_norm: None or float > 0, maximum global gradient norm.
         skip_nonfinite: bool, skip steps with NaN/Inf gradients.
         max_consecutive_skips: None (no limit) or int >= 1, skipped steps in a
