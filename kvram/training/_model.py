@@ -110,10 +110,11 @@ class Model(keras.Model):
             each weight's update uses its gradient as soon as it is made, and
             XLA frees it then (PyTorch's "optimizer step in the backward pass").
             With `skip_nonfinite` the backward pass runs twice: once to decide
-            the skip (each gradient reduced to a flag as it is made), once in
-            the applied branch (the same forward pass, so the same gradients):
-            about 1.7x a step's FLOPs. Needs the whole gradient first, so
-            refused with it: `accumulation_steps` > 1, `micro_batch_size`,
+            the skip (each gradient reduced to a flag as it is made), once to
+            apply them (the same forward pass, so the same gradients), each
+            assignment keeping the old value where the step is skipped: about
+            1.7x a step's FLOPs. What needs every gradient first is refused
+            with it: `accumulation_steps` > 1, `micro_batch_size`,
             `clip_global_norm`, a `LossScaleOptimizer` (mixed_float16) and
             several replicas. Memory measured on the CPU under XLA
             (tests/test_update_in_backward.py).
