@@ -103,3 +103,23 @@ def test_it_is_saved_with_the_model(tmp_path):
     model = _trained(False, epochs=1, update_in_backward=True)
     model.save(tmp_path / "m.keras")
     assert keras.saving.load_model(tmp_path / "m.keras").update_in_backward is True
+
+
+def test_kvram_optimizers_are_gated_too_bfloat16_weights_and_kahan_buffers_included():
+    from kvram.optimizers import AdamW8bit
+
+    keras.config.set_dtype_policy("bfloat16")
+    try:
+        model = _mlp(update_in_backward=True)
+        model.compile(AdamW8bit(1e-3, weight_decay=0.01, rounding="kahan", min_8bit_size=0, block_size=64),
+                      "sparse_categorical_crossentropy", steps_per_execution=1)
+        model.fit(*_data(8), batch_size=8, epochs=1, verbose=0)
+        before = [v.numpy().copy() for v in model.variables + model.optimizer.variables]
+        x, y = _data(8)
+        x[0, 0] = np.inf
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        assert model.skipped_steps == 1
+        for a, v in zip(before, model.variables + model.optimizer.variables):
+            np.testing.assert_array_equal(a, v.numpy())
+    finally:
+        keras.config.set_dtype_policy("float32")
