@@ -92,6 +92,12 @@ def test_a_loss_scale_optimizer_and_later_micro_batches_are_refused():
     model = _mlp(update_in_backward=True)
     with pytest.raises(ValueError, match="LossScaleOptimizer.*Allowed: mixed_bfloat16 or float32"):
         model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "mse")
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        with pytest.raises(ValueError, match="LossScaleOptimizer"):
+            _mlp(update_in_backward=True).compile("adam", "mse")  # Keras would wrap Adam in one
+    finally:
+        keras.config.set_dtype_policy("float32")
     with pytest.raises(ValueError, match="micro_batch_size=4 cannot be set on a model with update_in_backward=True"):
         model.micro_batch_size = 4
     with pytest.raises(ValueError, match="use_ema=True"):

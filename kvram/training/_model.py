@@ -232,7 +232,8 @@ class Model(keras.Model):
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         if inner is not None:
             self._check_optimizer(inner)
-        if self.update_in_backward and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if self.update_in_backward and (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+                                        or self.dtype_policy.name == "mixed_float16"):  # Keras would wrap it
             raise ValueError(
                 "update_in_backward=True cannot run with a LossScaleOptimizer (mixed_float16): it checks every "
                 "gradient before it applies any. Allowed: mixed_bfloat16 or float32, which need no loss scaling.")
