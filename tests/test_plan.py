@@ -1173,8 +1173,12 @@ def test_where_nothing_fits_the_table_says_whether_8_bit_moments_would():
     # the least-memory row, 1 MiB, less 0.75 MiB, within 0.9 x 2 MiB
     assert "optimizer state 0.2 MiB instead of 1.0 MiB; the least-memory row would take 0.2 MiB and fits" \
         in str(found), str(found)
+    # 0.5 MiB of gradients: no less than 0.5 MiB without them, which might fit
+    assert "update_in_backward=True): no step holds all 0.5 MiB of gradients; the least-memory row would take " \
+        "no less than 0.5 MiB and might fit" in str(found), str(found)
     report["configurations"][1]["predicted_peak_bytes"] = 3 * 2**20
     assert "would take 2.2 MiB and still does not fit" in str(remat.Estimate.from_json(report))
+    assert "no less than 2.5 MiB and still does not fit" in str(remat.Estimate.from_json(report))
 
 
 def test_adam_and_adamw_have_an_8_bit_alternative_with_their_settings():

@@ -195,22 +195,28 @@ class Estimate:
         return "\n".join(rows)
 
     def _eight_bit_lines(self) -> list:
-        """Where nothing fits under Adam or AdamW: what 8-bit moments would save,
-        and whether each precision's least-memory row would then fit (predicted)."""
+        """Where nothing fits: what 8-bit moments would save under Adam or AdamW,
+        and whether each precision's least-memory row would then fit; and the
+        most that `kvram.Model(update_in_backward=True)` could save (predicted)."""
         lines, limit = [], (1 - self.margin) * self.memory_bytes
         for precision, st in self.state.items():
-            if "optimizer_8bit" not in st:
-                continue
-            saved = st["optimizer"] - st["optimizer_8bit"]
             least = min((c.predicted_peak_bytes for c in self.configurations if c.precision == precision
                          and c.remat == "least" and c.predicted_by != "oom"), default=None)
             if least is None:
                 continue
-            verdict = "fits" if least - saved <= limit else "still does not fit"
-            lines.append(f"{precision} with 8-bit moments (--optimizer adamw8bit, kvram.optimizers.AdamW8bit): "
-                         f"optimizer state {_size(st['optimizer_8bit'])} instead of {_size(st['optimizer'])}; "
-                         f"the least-memory row would take {_size(least - saved)} and {verdict} (predicted, "
-                         "not checked)")
+            if "optimizer_8bit" in st:
+                saved = st["optimizer"] - st["optimizer_8bit"]
+                verdict = "fits" if least - saved <= limit else "still does not fit"
+                lines.append(f"{precision} with 8-bit moments (--optimizer adamw8bit, kvram.optimizers.AdamW8bit): "
+                             f"optimizer state {_size(st['optimizer_8bit'])} instead of {_size(st['optimizer'])}; "
+                             f"the least-memory row would take {_size(least - saved)} and {verdict} (predicted, "
+                             "not checked)")
+            if st.get("gradients"):
+                verdict = ("still does not fit" if least - st["gradients"] > limit
+                           else "might fit: train to see")
+                lines.append(f"{precision} with kvram.Model(update_in_backward=True): no step holds all "
+                             f"{_size(st['gradients'])} of gradients; the least-memory row would take no less than "
+                             f"{_size(least - st['gradients'])} and {verdict} (not checked)")
         return lines
 
     def plain_configuration(self) -> Configuration | None:
