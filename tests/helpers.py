@@ -103,7 +103,7 @@ def one_op_order():
 def _child_command(nodeid):
     return dict(
         # the node is run whatever its marks (pyproject's addopts leave the extended ones out)
-        args=[sys.executable, "-m", "pytest", "-q", "-rxX", "-s", "-p", "no:cacheprovider",
+        args=[sys.executable, "-m", "pytest", "-q", "-rxX", "-s", "--tb=short", "-p", "no:cacheprovider",
               "-m", "extended or not extended", nodeid],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         env={**os.environ, "KVRAM_TEST_ISOLATED": "1"},

@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import re
 import sys
 
 import keras
@@ -265,8 +266,11 @@ def test_cli_plan_module_function_and_keras_file(tmp_path, capsys):
     small_model().save(path)
     assert cli.main(["plan", "--model", str(path), "--batch-size", "16", "--gpu-memory", "1GB"]) == 0
     printed = capsys.readouterr().out
-    # a saved model keeps its own precision: one set of rows (3 slice sizes x none, least)
-    assert printed.count("float32") == 6, printed
+    # a saved model keeps its own precision: one set of rows (3 slice sizes x none, least), and
+    # one line of its state in that precision
+    rows = [line for line in printed.splitlines() if re.match(r"\w+ +(-|\d+) +(none|least) ", line)]
+    assert len(rows) == 6 and all(row.startswith("float32 ") for row in rows), printed
+    assert [line.split(":")[0] for line in printed.splitlines() if ": weights " in line] == ["float32"], printed
 
 
 @pytest.mark.parametrize(
