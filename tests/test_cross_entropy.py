@@ -48,6 +48,31 @@ def test_linear_cross_entropy_equals_keras_in_float32(transposed, with_bias, chu
     assert max_rel_diff(theirs, jitted) < 1e-5
 
 
+def test_bfloat16_products_under_a_persistent_tape_in_xla():
+    """A persistent tape (kvram.Model's update_in_backward with the guard
+    keeps one) in an XLA-compiled function with bfloat16 weights: the loop is
+    not recorded, its gradient is the custom one, the same as a plain tape's
+    (a recorded loop failed here: its products' float32 gradients met the
+    casts' bfloat16 ones)."""
+    rng = np.random.default_rng(0)
+    hidden = tf.Variable(rng.standard_normal((64, 16)), dtype=tf.bfloat16)
+    kernel = tf.Variable(rng.standard_normal((16, 50)) * 0.3, dtype=tf.bfloat16)
+    labels = tf.constant(np.arange(64) % 50)
+
+    def grads(persistent):
+        @tf.function(jit_compile=True)
+        def step():
+            with tf.GradientTape(persistent=persistent) as tape:
+                value = linear_cross_entropy(hidden, kernel, labels, chunk_size=16, dtype=tf.bfloat16)
+            return [value] + tape.gradient(value, [hidden, kernel])
+
+        return step()
+
+    plain, persistent = grads(False), grads(True)
+    assert [g.dtype for g in persistent[1:]] == [tf.bfloat16, tf.bfloat16]
+    assert max_rel_diff(plain, persistent) == 0
+
+
 def small_causal_lm(kind):
     import keras_hub
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 from keras.src.losses import loss as loss_module
+from tensorflow.python.eager import record
 
 from kvram.layers.attention import _product
 
@@ -79,12 +80,18 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
             return j + 1, total, dh, dw, db
 
         vocabulary = w.shape[0] if transposed else w.shape[1]
-        _, total, dh, dw, db = tf.while_loop(
-            lambda j, *_: j < count, body,
-            (tf.constant(0), tf.constant(0.0), tf.TensorArray(tf.float32, size=count),
-             tf.zeros(w.shape, tf.float32), tf.zeros([vocabulary], tf.float32)),
-            parallel_iterations=1,
-        )
+        # Not recorded by outer tapes: this function's gradient is `grad`. In a
+        # graph, a persistent tape that recorded the loop built the loop's own
+        # gradient as it was traced, which fails on the bfloat16 products
+        # (BatchMatMulV3 with a float32 result: its gradient is float32, the
+        # cast's bfloat16) and would hold the loop's intermediates for nothing.
+        with record.stop_recording():
+            _, total, dh, dw, db = tf.while_loop(
+                lambda j, *_: j < count, body,
+                (tf.constant(0), tf.constant(0.0), tf.TensorArray(tf.float32, size=count),
+                 tf.zeros(w.shape, tf.float32), tf.zeros([vocabulary], tf.float32)),
+                parallel_iterations=1,
+            )
         dh = tf.reshape(tf.reshape(dh.stack(), [-1, d])[:rows], tf.shape(h))  # float32 until scaled
 
         def grad(upstream):

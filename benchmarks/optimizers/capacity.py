@@ -1,0 +1,194 @@
+"""The largest Llama-shaped model that trains on one GPU under a memory cap: Keras's AdamW against kvram's state options.
+
+A KerasHub `LlamaBackbone` (hidden 2048, 32 query and 8 key/value heads, intermediate 8192,
+vocabulary 32000, untied head: KerasHub's default) of `depth` blocks, every weight trainable,
+trains `--sequence` 2048 tokens x `--batch` 1 row on one GPU whose TensorFlow device is limited
+to `--gpu-memory-gib` (a logical device with a memory limit). Both configurations checkpoint every
+decoder block (kvram's `remat.rebuild`) and compute in bfloat16 under XLA:
+
+- `keras_adamw`: Keras's `AdamW` under `mixed_bfloat16` (float32 weights, gradients and moments).
+- `kvram_state`: weights in `bfloat16` (`keras.config.set_dtype_policy("bfloat16")`), kvram's
+  `AdamW8bit` (8-bit moments, stochastic rounding of the bfloat16 update),
+  `kvram.Model(update_in_backward=True)` (no step holds every gradient; the non-finite guard on),
+  `efficient_attention`, `lean_activations` and `fused_cross_entropy`.
+
+`--runs keras_adamw:18,keras_adamw:20,kvram_state:80` trains each (configuration, depth) in its
+own process for `--warmup` then `--steps` timed steps; a run that runs out of memory is recorded
+as such. The result gives per run: parameters, trained or not (and the error's first line),
+tokens/s, MFU (6 N + 12 L d T FLOPs per token against `--peak-tflops`), the peak GiB; and per
+configuration the largest depth that trained, and kvram's largest parameter count over Keras's.
+
+    python benchmarks/optimizers/capacity.py --runs keras_adamw:18,keras_adamw:20,kvram_state:80 \\
+        --out benchmarks/results/optimizers_capacity_h200.json
+    python benchmarks/optimizers/capacity.py --runs keras_adamw:2,kvram_state:2 --sequence 64 --hidden 256 \\
+        --intermediate 512 --heads 4 --kv-heads 2 --vocabulary 512 --steps 2 --warmup 1 --device CPU:0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from benchmarks.common import child_result, gpu_name, result_header, versions, write_result  # noqa: E402
+
+CONFIGS = {
+    "keras_adamw": "Keras AdamW, mixed_bfloat16 (float32 weights, gradients, moments), a Checkpoint on every block",
+    "kvram_state": "bfloat16 weights, kvram AdamW8bit (stochastic rounding), kvram.Model(update_in_backward=True), "
+                   "a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
+}
+
+
+def _shape(args, depth) -> dict:
+    return dict(vocabulary_size=args.vocabulary, num_layers=depth, num_query_heads=args.heads,
+                num_key_value_heads=args.kv_heads, hidden_dim=args.hidden, intermediate_dim=args.intermediate)
+
+
+def child(name, depth, args):
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import kvram  # noqa: F401  (before TensorFlow: its XLA flags and allocator statistics)
+    import tensorflow as tf
+
+    if args.device.startswith("GPU"):
+        gpus = tf.config.list_physical_devices("GPU")
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(args.gpu_memory_gib * 1024))])
+    import keras
+    import keras_hub
+    import numpy as np
+
+    from benchmarks.common import timed_fit
+    from kvram import remat
+
+    lean = name == "kvram_state"
+    keras.config.set_dtype_policy("bfloat16" if lean else "mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    shape = _shape(args, depth)
+    backbone = keras_hub.models.LlamaBackbone(**shape)
+    head = keras.layers.Dense(args.vocabulary, use_bias=False, name="lm_head")  # LlamaCausalLM's untied head
+    model = keras.Model(backbone.input, head(backbone.output), name="llama_causal_lm")
+    if lean:
+        kvram.speed.efficient_attention(model, chunk_size=args.sequence)
+        kvram.speed.lean_activations(model)
+    chain = remat.segments(model)
+    blocks = [any(n.startswith("transformer_layer") for n in s.layers) for s in chain]
+    model = remat.rebuild(model, [[i] for i in range(len(chain))], blocks)
+    if lean:
+        model = kvram.Model(model.input, model.output, update_in_backward=True, name=model.name)
+        optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01, rounding="stochastic")
+    else:
+        optimizer = keras.optimizers.AdamW(1e-4, weight_decay=0.01)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=True)
+    if lean:
+        kvram.speed.fused_cross_entropy(model)
+    rng = np.random.default_rng(0)
+    x = {"token_ids": tf.constant(rng.integers(0, args.vocabulary, (args.batch, args.sequence)), tf.int32),
+         "padding_mask": tf.ones((args.batch, args.sequence), tf.int32)}
+    y = tf.constant(rng.integers(0, args.vocabulary, (args.batch, args.sequence)), tf.int32)
+    parameters = int(model.count_params())
+    trainable = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+    started = time.perf_counter()
+    timed = timed_fit(model, tf.data.Dataset.from_tensors((x, y)).repeat(), args.steps, args.warmup, [args.device])
+    tokens_per_s = args.batch * args.sequence * timed["steps"] / timed["seconds"]
+    flops = 6 * parameters + 12 * depth * args.hidden * args.sequence
+    child_result({"label": CONFIGS[name], "parameters": parameters, "trainable_parameters": trainable,
+                  "weights_dtype": model.trainable_variables[0].dtype, "trained": True,
+                  "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / (args.peak_tflops * 1e12),
+                  "peak_gib": timed["peak_gib"][args.device], "final_loss": timed["loss"],
+                  "timed_steps": timed["steps"], "wall_s_with_compile": time.perf_counter() - started,
+                  "versions": versions()})
+
+
+def _first_error_line(text: str) -> str:
+    for marker in ("ResourceExhaustedError", "Out of memory", "OOM", "Error"):
+        for line in text.splitlines():
+            if marker in line:
+                return line.strip()[:400]
+    return text.strip().splitlines()[-1][:400] if text.strip() else "no output"
+
+
+def _runs(text: str):
+    runs = []
+    for item in text.split(","):
+        name, _, depth = item.partition(":")
+        if name not in CONFIGS or not depth.isdigit() or int(depth) < 1:
+            raise SystemExit(f"--runs takes configuration:depth items ({', '.join(CONFIGS)}; depth >= 1), "
+                             f"got {item!r}")
+        runs.append((name, int(depth)))
+    return runs
+
+
+def summary(runs: list) -> dict:
+    """Per configuration, the largest depth (and parameters) that trained; kvram's over Keras's."""
+    largest = {}
+    for run in runs:
+        if run.get("trained") and run["parameters"] > largest.get(run["config"], {}).get("parameters", 0):
+            largest[run["config"]] = {"depth": run["depth"], "parameters": run["parameters"],
+                                      "tokens_per_s": run["tokens_per_s"], "mfu": run["mfu"],
+                                      "peak_gib": run["peak_gib"]}
+    out = {"largest_trained": largest}
+    if "keras_adamw" in largest and "kvram_state" in largest:
+        out["kvram_parameters_over_keras"] = largest["kvram_state"]["parameters"] / largest["keras_adamw"]["parameters"]
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", default="keras_adamw:18,keras_adamw:20,kvram_state:80",
+                        help="configuration:depth items, comma-separated, each in its own process")
+    parser.add_argument("--gpu-memory-gib", type=float, default=24.0)
+    parser.add_argument("--sequence", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocabulary", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 TFLOP/s, for MFU")
+    parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0 for a smoke run: no cap)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        name, _, depth = args.child.partition(":")
+        return child(name, int(depth), args)
+    forwarded = [a for a in sys.argv[1:]]
+    if "--out" in forwarded:
+        i = forwarded.index("--out")
+        del forwarded[i:i + 2]
+    runs = []
+    for name, depth in _runs(args.runs):
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, *forwarded, "--child", f"{name}:{depth}"],
+                                  capture_output=True, text=True, timeout=args.timeout)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            run = (json.loads(lines[-1][len("RESULT "):]) if lines and not proc.returncode else
+                   {"trained": False, "error": _first_error_line(proc.stderr or proc.stdout)})
+        except subprocess.TimeoutExpired:
+            run = {"trained": False, "error": f"timed out after {args.timeout} s"}
+        run.update(config=name, depth=depth, wall_s=time.perf_counter() - started)
+        runs.append(run)
+        text = (f"{run['parameters'] / 1e9:.2f} B parameters, {run['tokens_per_s']:.0f} tokens/s, "
+                f"MFU {run['mfu']:.1%}, peak {run['peak_gib']} GiB" if run["trained"] else f"did not train: {run['error']}")
+        print(f"{name} depth {depth}: {text} ({run['wall_s']:.0f} s)", flush=True)
+        report = {**result_header("optimizers-capacity", __file__),
+                  "gpu": gpu_name() if args.device.startswith("GPU") else f"none ({args.device}, a smoke run)",
+                  "settings": {k: v for k, v in vars(args).items() if k not in ("out", "child")},
+                  "configs": CONFIGS, "runs": runs, **summary(runs)}
+        write_result(args.out, report)  # after each run: a run cut short keeps the others
+    print(json.dumps(summary(runs)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
