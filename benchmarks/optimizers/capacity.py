@@ -71,8 +71,9 @@ def child(name, depth, args):
     keras.utils.set_random_seed(0)
     shape = _shape(args, depth)
     backbone = keras_hub.models.LlamaBackbone(**shape)
-    head = keras.layers.Dense(args.vocabulary, use_bias=False, name="lm_head")  # LlamaCausalLM's untied head
-    model = keras.Model(backbone.input, head(backbone.output), name="llama_causal_lm")
+    # LlamaCausalLM's head: the backbone's ReversibleEmbedding, reversed (its own, untied, kernel)
+    model = keras.Model(backbone.input, backbone.token_embedding(backbone.output, reverse=True),
+                        name="llama_causal_lm")
     if lean:
         kvram.speed.efficient_attention(model, chunk_size=args.sequence)
         kvram.speed.lean_activations(model)
