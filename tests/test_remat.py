@@ -303,13 +303,40 @@ def _training_peak(model, x, y, resident):
     return resident + _step_peak(model, x, y, warm=True, repeat=3)
 
 
+def _applied_peak(chosen, x, y, resident):
+    """`_training_peak` of the model `chosen.apply()` gives, as the plan reports
+    its peaks (`kvram.remat._check`'s `settled`): under one_op_order(), the
+    median of three traces, each of a model applied anew (models rebuilt
+    alike peak apart: the residual chain's least-memory plan, five of them
+    measured 30.1-37.0 MiB in one process)."""
+    variables = chosen.apply().trainable_variables  # the same variables in every model applied
+
+    def make_step():
+        model = chosen.apply()
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True)))
+            return tape.gradient(loss, variables)
+
+        return step
+
+    return resident + usual_peak(make_step, warm=True, repeat=3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family",
-    # one family in the default run (the residual chain); the keras.applications ones 120-350 s each
-    # on 2 cores (ConvNeXt-Tiny at half width: 208 s in CI) run with -m extended
-    [pytest.param(f, marks=[pytest.mark.own_process] + ([] if f == "residual_chain" else [pytest.mark.extended]))
-     for f in sorted(PLAN_FAMILIES)],
+    # -m extended: the keras.applications families took 120-350 s each on 2 cores (ConvNeXt-Tiny
+    # at half width: 208 s in CI). The residual chain too: on the graph executor each trace of a
+    # planned step peaks at its own value (three rebuilt models of its 5-run least-memory plan, one
+    # trace each: 34.0, 31.5, 34.5 MiB, each repeating to the byte), and with 30 tensors of random
+    # sizes left in the allocator's heap the same trace peaked 10-17 MiB higher, so a plan's
+    # median of three traces and the test's missed each other by up to 25% (CI's run failed a
+    # bar, and two of six runs on a 2-core machine). The default run's budgets are checked under XLA, whose buffers
+    # are fixed at compile time (test_plan_checked_under_xla_fits_three_budgets).
+    [pytest.param(f, marks=[pytest.mark.own_process, pytest.mark.extended]) for f in sorted(PLAN_FAMILIES)],
 )
 def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family, request):
     if in_own_process(request):
@@ -333,7 +360,7 @@ def _plan_fits_three_budgets_and_halves_the_peak_with_none(family):
     for fraction in (None, 0.25, 0.5, 0.75):
         budget = None if fraction is None else int(low + fraction * (high - low))
         chosen = least.with_budget(budget)
-        measured = _training_peak(chosen.apply(), x, y, least.resident_bytes)
+        measured = _applied_peak(chosen, x, y, least.resident_bytes)
         lines.append(
             f"  budget {'none' if budget is None else f'{budget / 2**20:.1f} MiB'}: "
             f"{len(chosen.runs)} runs, predicted {chosen.predicted_peak_bytes / 2**20:.1f}, "

@@ -158,27 +158,30 @@ def _step_check(model, chain, x, y, loss_fn, device, jit, log=None, steps=None):
 
     def settled(runs):
         """check(runs), for the peak a plan reports. Under one op order (the
-        single-threaded executor) the median of it and two more traces': there
-        a trace's peak repeats to the byte, step after step, but traces of one
-        model differ, most peaking at one value and a few higher or lower
-        (MobileNetV3Small's least-memory plan on the CPU, five traces of one
-        model: 42.0, 45.3, 42.0, 42.4, 42.0 MiB; ConvNeXtTiny's choice for a
-        budget checked at 588.4 MiB, a new trace of it measured 511.5). The
-        least-memory runs are chosen by their first check, so a trace that
-        peaked low is the likelier to be chosen: the residual chain's choice
-        reported 27.0 MiB from the lower of two traces, and the lower of
-        two new ones measured 33.0 (the CI machine, no AVX-512)."""
+        single-threaded executor) the median of three new traces, each of a
+        model rebuilt for it: there a trace's peak repeats to the byte, step
+        after step, but traces differ, most peaking at one value and a few
+        higher or lower (MobileNetV3Small's least-memory plan on the CPU,
+        five traces of one model: 42.0, 45.3, 42.0, 42.4, 42.0 MiB;
+        ConvNeXtTiny's choice for a budget checked at 588.4 MiB, a new trace
+        of it measured 511.5), and models rebuilt alike differ too (their
+        layers' and ops' names differ; `Plan.apply()` gives the user a new
+        one). The first check is left out: the least-memory runs are chosen
+        by it, so a trace that peaked low is the likelier to be chosen. The
+        residual chain's least-memory plan (CPU, batch 32), the median of its
+        first check and two more traces of the planner's one model: 27.5 MiB;
+        five models rebuilt from the plan then measured 30.1-33.0."""
         runs = tuple(runs)
         if runs not in settled_done:
             first = check(runs)
-            peaks = [first]
+            peaks = []
             if not (jit or peak_steps() > 1 or isinstance(first, _OutOfMemory)):
-                for _ in range(_TRACES - 1):  # a new trace each
-                    rebuilt, _ = trained(runs)
+                for _ in range(_TRACES):
+                    rebuilt = rebuild(model, *_groups(runs, len(chain))) if runs else model
                     again = _step_peak(rebuilt, _training_step(rebuilt, x, y, loss_fn, jit), x, y, device, jit)
                     if not isinstance(again, _OutOfMemory):
                         peaks.append(again)
-            settled_done[runs] = median_low(peaks)  # of two: the lower
+            settled_done[runs] = median_low(peaks or [first])  # of two: the lower
         return settled_done[runs]
 
     check.settled = settled
