@@ -205,16 +205,19 @@ def test_bad_groups_say_what_is_allowed():
         remat.rebuild(model, [[0, 1]], [True, False])
 
 
-def _step_peak(model, x, y, warm=False, repeat=1):
+def _step_peak(model, x, y, warm=False, repeat=1, make_model=None):
     """Peak CPU allocation of one compiled training step beyond what was
-    allocated before it (`usual_peak`)."""
+    allocated before it (`usual_peak`); with `make_model`, each trace is of a
+    model it returns (on `model`'s variables)."""
     variables = model.trainable_variables
 
     def make_step():
+        traced = model if make_model is None else make_model()
+
         @tf.function
         def step():
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True)))
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, traced(x, training=True)))
             return tape.gradient(loss, variables)
 
         return step
@@ -309,20 +312,7 @@ def _applied_peak(chosen, x, y, resident):
     median of three traces, each of a model applied anew (models rebuilt
     alike peak apart: the residual chain's least-memory plan, five of them
     measured 30.1-37.0 MiB in one process)."""
-    variables = chosen.apply().trainable_variables  # the same variables in every model applied
-
-    def make_step():
-        model = chosen.apply()
-
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True)))
-            return tape.gradient(loss, variables)
-
-        return step
-
-    return resident + usual_peak(make_step, warm=True, repeat=3)
+    return resident + _step_peak(chosen.apply(), x, y, warm=True, repeat=3, make_model=chosen.apply)
 
 
 @pytest.mark.slow
@@ -334,8 +324,8 @@ def _applied_peak(chosen, x, y, resident):
     # trace each: 34.0, 31.5, 34.5 MiB, each repeating to the byte), and with 30 tensors of random
     # sizes left in the allocator's heap the same trace peaked 10-17 MiB higher, so a plan's
     # median of three traces and the test's missed each other by up to 25% (CI's run failed a
-    # bar, and two of six runs on a 2-core machine). The default run's budgets are checked under XLA, whose buffers
-    # are fixed at compile time (test_plan_checked_under_xla_fits_three_budgets).
+    # bar, and two of six runs on a 2-core machine). The default run's budgets are checked under
+    # XLA, whose buffers are fixed at compile time (test_plan_checked_under_xla_fits_three_budgets).
     [pytest.param(f, marks=[pytest.mark.own_process, pytest.mark.extended]) for f in sorted(PLAN_FAMILIES)],
 )
 def test_plan_fits_three_budgets_and_halves_the_peak_with_none(family, request):
