@@ -1,5 +1,8 @@
+import contextlib
+import fcntl
 import gc
 import os
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -57,6 +60,44 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not _alone(item))  # stable: the suite's order otherwise
 
 
+# Under pytest-xdist (`-n 2`) each worker is a process of its own; the folder of the
+# lock files that keep a test marked alone from running beside another worker's test.
+_LOCKS = "KVRAM_TEST_LOCKS"
+
+
+def _worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def pytest_configure(config):
+    if not _worker() and getattr(config.option, "numprocesses", None):
+        # the workers start after this and inherit the environment
+        os.environ[_LOCKS] = tempfile.mkdtemp(prefix="kvram-tests-")
+
+
+@pytest.fixture(autouse=True)
+def _alone_across_workers(request):
+    """Under pytest-xdist, a test marked alone runs while no other worker runs a
+    test, and every other test holds the others' alone tests off: a shared lock
+    on one file for each test, an exclusive one for an alone test. A second
+    file is the gate an alone test holds while it waits for the shared locks
+    to go, so that no worker starts a new test meanwhile (flock alone does not
+    favour the waiting exclusive lock)."""
+    folder = os.environ.get(_LOCKS) if _worker() else None
+    if not folder:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    with contextlib.ExitStack() as stack:
+        gate = stack.enter_context(open(os.path.join(folder, "gate"), "a"))
+        held = stack.enter_context(open(os.path.join(folder, "held"), "a"))
+        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # closing the files releases their locks
+
+
 def _alone(item) -> bool:
     return item.get_closest_marker("alone") is not None and item.get_closest_marker("skip") is None
 
@@ -88,6 +129,8 @@ def pytest_collection_finish(session):
     then runs alone, so one early in the suite goes first (the plan families,
     last, are in their longest-first order)."""
     if os.environ.get("KVRAM_TEST_ISOLATED") or session.config.option.collectonly:
+        return
+    if _worker():  # each worker runs its children in its turn: two workers already fill two cores
         return
     from tests.helpers import AHEAD
 
