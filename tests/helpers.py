@@ -106,7 +106,9 @@ def _child_command(nodeid):
         args=[sys.executable, "-m", "pytest", "-q", "-rxX", "-s", "--tb=short", "-p", "no:cacheprovider",
               "-m", "extended or not extended", nodeid],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        env={**os.environ, "KVRAM_TEST_ISOLATED": "1"},
+        # not a pytest-xdist worker (tests/conftest.py): the worker running it holds its lock
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")},
+             "KVRAM_TEST_ISOLATED": "1"},
     )
 
 

@@ -121,3 +121,16 @@ def test_examples_import_kvram_before_tensorflow():
         if first is not None and first[1] != "kvram":
             late[name] = first
     assert not late, f"examples importing {{name: (line, module)}} before kvram: {late}"
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run installs and runs the test suite as README's second set-up command does."""
+    import re
+
+    top = os.path.dirname(ROOT)
+    readme = open(os.path.join(top, "README.md")).read()
+    command = re.search(r"# 2\. .*\n(.+)\n", readme).group(1)
+    install, run = command.split(" && ")[-2:]
+    ci = open(os.path.join(top, ".ci", "run")).read().splitlines()
+    assert run in ci, (run, ci)
+    assert any(install in line.replace(" -q", "") for line in ci), (install, ci)  # CI's install is quiet
