@@ -1,11 +1,6 @@
 """A long fit through many out-of-memory recoveries holds no more memory at its
 end than at its start (issue 15: 300 steps, 100 injected OOMs)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -17,7 +12,6 @@ from kvram.callbacks import AdaptiveBatchSize
 from tests.helpers import gradients_failing_every, in_own_process
 
 N, BATCH = 96, 16
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 pytestmark = pytest.mark.slow  # every test here: see ARCHITECTURE.md, tests
@@ -49,11 +43,10 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def soak() -> dict:
+def soak(monkeypatch) -> dict:
     """300 steps, every 4th gradient pass raising OOM after it ran; memory marks."""
-    _train_function.TrainFunction._gradients = gradients_failing_every(
-        4, _train_function.TrainFunction._gradients
-    )
+    monkeypatch.setattr(_train_function.TrainFunction, "_gradients", gradients_failing_every(
+        4, _train_function.TrainFunction._gradients))
     marks = []
 
     class Watch(keras.callbacks.Callback):
@@ -73,17 +66,12 @@ def soak() -> dict:
 
 
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
-def test_300_steps_with_100_ooms_hold_memory_flat(request):
+def test_300_steps_with_100_ooms_hold_memory_flat(request, monkeypatch):
     """Run in a process of its own: in the suite's process, other tests' leftover
     pipelines allocate on the same CPU allocator (seen: +8 MiB once, mid-run)."""
     if in_own_process(request):
         return
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = soak(monkeypatch)
     assert result["ooms"] == 100 and result["steps"] == 300
     marks = result["marks"]
     assert [m[0] for m in marks] == [50, 100, 150, 200, 250, 300]
@@ -91,7 +79,3 @@ def test_300_steps_with_100_ooms_hold_memory_flat(request):
     assert held_50 > 0  # the allocator counts what the model holds
     assert all(held == held_50 for _, _, held in marks), marks
     assert rss_300 - rss_50 < 16 * 2**20, marks
-
-
-if __name__ == "__main__":
-    print(json.dumps(soak()))

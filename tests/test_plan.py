@@ -103,7 +103,10 @@ def test_micro_batch_overhead_is_validated(overhead):
 
 
 @pytest.mark.slow
-def test_estimate_measure_runs_the_recommendation_and_plain_keras():
+@pytest.mark.own_process  # the prediction and fit()'s peak in a process of its own (in a pytest-xdist
+def test_estimate_measure_runs_the_recommendation_and_plain_keras(request):  # worker: 41.5 vs 35.9 MiB)
+    if in_own_process(request):
+        return
     found = remat.estimate(small_model, 32, memory_bytes=10 * 2**30, precisions=("float32",))
     result = remat.measure(small_model, found.recommended, 32, steps=2)
     assert result["steps"] == 2 and result["device"] == "CPU:0"
