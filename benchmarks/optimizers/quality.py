@@ -6,7 +6,9 @@ of `--sequence` bytes; each optimizer starts from the same weights and sees the 
 `--seeds N` this is done from N initialisations and batch orders. The JSON holds each optimizer's mean
 loss over the last 10% of steps (per seed, and their mean) and the ratio of its mean to AdamW's: one
 run's final loss moves by about 1% under any small change (AdamW at a learning rate 0.1% higher), so
-a 1% comparison needs several seeds.
+a 1% comparison needs several seeds. The `bf16_` configurations train bfloat16 weights (no float32
+copy; their logits are bfloat16 too, the loss float32): Keras's AdamW, and AdamW8bit with each
+update rounded to the nearest (plain bfloat16), compensated (`kahan`) or stochastic.
 
     python benchmarks/optimizers/quality.py --steps 2000 --out benchmarks/results/optimizers_quality_cpu.json
 """
@@ -27,9 +29,20 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import result_header, write_result  # noqa: E402
 
+# name: (the weights' dtype policy, the optimizer at a learning rate). Under "bfloat16" every weight is
+# bfloat16 (no float32 copy). Keras's AdamW computes its update in the weight's dtype, where beta_2=0.999
+# rounds to 1.0 and its bias correction to 0: it never moves them (keras-team/keras-hub#2629,
+# keras-team/keras#21238). AdamW8bit computes in float32 and rounds the result as its `rounding` says.
 OPTIMIZERS = {
-    "adamw": lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.01),
-    "adamw8bit": lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01),
+    "adamw": ("float32", lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.01)),
+    "adamw8bit": ("float32", lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01)),
+    "bf16_adamw": ("bfloat16", lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.01)),
+    "bf16_adamw8bit_nearest": ("bfloat16", lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01,
+                                                                                   rounding="nearest")),
+    "bf16_adamw8bit_kahan": ("bfloat16", lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01,
+                                                                                 rounding="kahan")),
+    "bf16_adamw8bit_stochastic": ("bfloat16", lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01,
+                                                                                      rounding="stochastic")),
 }
 
 
@@ -40,6 +53,8 @@ def corpus(limit: int) -> np.ndarray:
 
 
 def train(name, args, text, seed=0):
+    policy, optimizer = OPTIMIZERS[name]
+    keras.config.set_dtype_policy(policy)
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.GPT2Backbone(vocabulary_size=256, num_layers=args.layers, num_heads=4,
                                              hidden_dim=args.hidden, intermediate_dim=4 * args.hidden,
@@ -47,7 +62,8 @@ def train(name, args, text, seed=0):
     tokens = keras.Input((args.sequence,), dtype="int32")
     hidden = backbone({"token_ids": tokens, "padding_mask": keras.ops.ones_like(tokens)})
     model = keras.Model(tokens, backbone.token_embedding(hidden, reverse=True))
-    model.compile(OPTIMIZERS[name](args.learning_rate),
+    keras.config.set_dtype_policy("float32")
+    model.compile(optimizer(args.learning_rate),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
     rng = np.random.default_rng(seed + 1)
     losses, start = [], time.perf_counter()
