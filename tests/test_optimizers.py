@@ -219,6 +219,22 @@ def test_bfloat16_weights_train_where_rounding_to_the_nearest_stalls(bfloat16_po
     assert np.abs(weights - reference).mean() <= 2**-7, np.abs(weights - reference).mean()
 
 
+def test_keras_adamw_never_moves_bfloat16_weights_and_adamw8bit_does():
+    """Keras's Adam computes in the weight's dtype: in bfloat16, beta_2=0.999 is 1.0, its bias
+    correction sqrt(1 - beta_2**t) is 0, and so is every update, however small the weight
+    (keras-team/keras-hub#2629, keras-team/keras#21238; what benchmarks/optimizers/quality.py's
+    bf16_adamw configuration shows). AdamW8bit computes the update in float32."""
+    assert float(tf.cast(tf.constant(0.999), tf.bfloat16)) == 1.0
+    gradient = tf.fill([256], tf.constant(0.5, tf.bfloat16))
+    for optimizer, moved in ((keras.optimizers.AdamW(1e-2, weight_decay=0.0), False),
+                             (AdamW8bit(1e-2, weight_decay=0.0, rounding="nearest"), True)):
+        weight = keras.Variable(np.full(256, 0.01, "float32"), dtype="bfloat16", name="w")  # a step is 2**-14
+        before = weight.numpy().copy()
+        for _ in range(5):
+            optimizer.apply_gradients([(gradient, weight)])
+        assert np.any(weight.numpy() != before) == moved, (optimizer.name, weight.numpy()[:4])
+
+
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_weight_decay_of_bfloat16_weights_is_not_lost(rounding):
     weight = keras.Variable(np.ones(256, "float32"), dtype="bfloat16", name="w")
