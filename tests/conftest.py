@@ -2,6 +2,7 @@ import contextlib
 import fcntl
 import gc
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -73,6 +74,11 @@ def pytest_configure(config):
     if not _worker() and getattr(config.option, "numprocesses", None):
         # the workers start after this and inherit the environment
         os.environ[_LOCKS] = tempfile.mkdtemp(prefix="kvram-tests-")
+
+
+def pytest_unconfigure(config):
+    if not _worker() and os.environ.get(_LOCKS):
+        shutil.rmtree(os.environ.pop(_LOCKS), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
