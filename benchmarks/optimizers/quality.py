@@ -29,20 +29,22 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import result_header, write_result  # noqa: E402
 
+
+def _adamw8bit(**options):
+    return lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01, **options)
+
+
 # name: (the weights' dtype policy, the optimizer at a learning rate). Under "bfloat16" every weight is
 # bfloat16 (no float32 copy). Keras's AdamW computes its update in the weight's dtype, where beta_2=0.999
 # rounds to 1.0 and its bias correction to 0: it never moves them (keras-team/keras-hub#2629,
 # keras-team/keras#21238). AdamW8bit computes in float32 and rounds the result as its `rounding` says.
 OPTIMIZERS = {
     "adamw": ("float32", lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.01)),
-    "adamw8bit": ("float32", lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01)),
+    "adamw8bit": ("float32", _adamw8bit()),
     "bf16_adamw": ("bfloat16", lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.01)),
-    "bf16_adamw8bit_nearest": ("bfloat16", lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01,
-                                                                                   rounding="nearest")),
-    "bf16_adamw8bit_kahan": ("bfloat16", lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01,
-                                                                                 rounding="kahan")),
-    "bf16_adamw8bit_stochastic": ("bfloat16", lambda lr: kvram.optimizers.AdamW8bit(lr, weight_decay=0.01,
-                                                                                      rounding="stochastic")),
+    "bf16_adamw8bit_nearest": ("bfloat16", _adamw8bit(rounding="nearest")),
+    "bf16_adamw8bit_kahan": ("bfloat16", _adamw8bit(rounding="kahan")),
+    "bf16_adamw8bit_stochastic": ("bfloat16", _adamw8bit(rounding="stochastic")),
 }
 
 
