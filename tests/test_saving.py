@@ -111,6 +111,14 @@ def _adamw8bit():
     return model, x
 
 
+def _host_offload():
+    inputs, x = _dense_input()
+    model = kvram.Model(inputs, keras.layers.Dense(3)(inputs), host_offload=True)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, np.zeros((len(x), 3), "float32"), verbose=0)  # masters and state built and saved
+    return model, x
+
+
 # How to build a model holding each kvram class (`kvram.Model` itself: its functional form).
 BUILDERS = {
     "Checkpoint": _checkpoint,
@@ -121,6 +129,7 @@ BUILDERS = {
     "FunctionalModel": _functional_model,
     "PipelineModel": _pipeline,
     "AdamW8bit": _adamw8bit,
+    "HostOffload": _host_offload,
 }
 # How to build a model using each kvram function (`lean_gelu` by `lean_activations`).
 FUNCTION_BUILDERS = {"kvram>lean_gelu": _lean, "kvram>lean_gelu_approximate": _lean_gelu_approximate,
@@ -187,6 +196,7 @@ def test_every_kvram_class_and_function_loads_in_a_process_that_imports_only_kvr
     assert loaded["PipelineModel"].startswith("PipelineModel")
     assert loaded["FunctionalModel"].startswith("FunctionalModel")
     assert loaded["AdamW8bit"].split()[1] == "AdamW8bit"
+    assert loaded["HostOffload"].split()[1] == "HostOffload"
 
 
 def test_a_registered_subclass_of_kvram_model_built_functionally_loads_as_itself(tmp_path):

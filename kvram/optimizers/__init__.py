@@ -2,8 +2,10 @@
 
 `AdamW8bit`: Keras's `AdamW` with its moments stored in 8 bits per value (block-wise dynamic
 quantization): 0.25x the optimizer state of `AdamW`.
+`HostOffload`: any optimizer run on the host, its state and float32 master weights in host memory.
 """
 
 from kvram.optimizers._adamw8bit import AdamW8bit
+from kvram.optimizers._host import HostOffload
 
-__all__ = ["AdamW8bit"]
+__all__ = ["AdamW8bit", "HostOffload"]

@@ -61,6 +61,20 @@ class AdamW8bit(keras.optimizers.AdamW):
     def _quantized(self, variable) -> bool:
         return int(np.prod(variable.shape)) >= self.min_8bit_size
 
+    def state_bytes(self, shape, dtype="float32") -> int:
+        """Bytes of state `build` creates for one weight of `shape` (its moments, and a Kahan
+        buffer for a bfloat16 weight under rounding="kahan"); accumulation buffers included."""
+        n = int(np.prod(shape))
+        total = 2 * n if dtype == "bfloat16" and self.rounding == "kahan" else 0
+        if n >= self.min_8bit_size:
+            blocks = _blockwise.padded_size(n, self.block_size) // self.block_size
+            total += 2 * (blocks * self.block_size + 4 * blocks)
+        else:
+            total += 8 * n
+        if (self.gradient_accumulation_steps or 1) > 1:
+            total += 4 * n
+        return total
+
     def build(self, var_list):
         if self.built:
             return

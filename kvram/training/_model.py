@@ -15,7 +15,7 @@ from keras.src.models.model import functional_init_arguments
 from keras.src.saving import object_registration
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kvram import _checks, data, precision
+from kvram import _checks, data, optimizers, precision
 from kvram.training import _batch_statistics, _execution, _step, _train_function
 from kvram.training._skip_watch import SkipWatch
 
@@ -30,6 +30,7 @@ _KVRAM_ARGS = (
     "clip_global_norm",
     "skip_nonfinite",
     "update_in_backward",
+    "host_offload",
     "max_consecutive_skips",
     "prefetch_to_gpu",
 )
@@ -118,6 +119,16 @@ class Model(keras.Model):
             `clip_global_norm`, a `LossScaleOptimizer` (mixed_float16) and
             several replicas. Memory measured on the CPU under XLA
             (tests/test_update_in_backward.py).
+        host_offload: bool. True: `compile()` wraps the optimizer in
+            `kvram.optimizers.HostOffload`, which keeps its state and a float32
+            master copy of every weight in host memory and computes the update
+            on the host's cores; the device holds the model's weights (bfloat16
+            ones under a "bfloat16" policy) and one step's gradients, which go
+            to the host in their own dtype. The step then runs in TensorFlow's
+            executor, each forward and backward pass compiled with XLA as
+            `jit_compile` says. Accumulation (summed on the host in float32),
+            clipping and the non-finite guard work as without it; not with
+            `update_in_backward` or several replicas.
         clip_global_norm: None or float > 0, maximum global gradient norm.
         skip_nonfinite: bool, skip steps with NaN/Inf gradients.
         max_consecutive_skips: None (no limit) or int >= 1, skipped steps in a
@@ -160,6 +171,7 @@ class Model(keras.Model):
         max_consecutive_skips: int | None = 20,
         prefetch_to_gpu: int | None = PREFETCH_TO_GPU,
         update_in_backward: bool = False,
+        host_offload: bool = False,
         **kwargs,
     ):
         self.accumulation_steps = _checks.positive_int("accumulation_steps", accumulation_steps)
@@ -180,6 +192,10 @@ class Model(keras.Model):
         self.update_in_backward = _checks.boolean("update_in_backward", update_in_backward)
         if self.update_in_backward:
             _step.check_update_in_backward(self)
+        self.host_offload = _checks.boolean("host_offload", host_offload)
+        if self.host_offload and self.update_in_backward:
+            raise ValueError("host_offload=True updates the weights on the host after the backward pass, so it "
+                             "cannot run with update_in_backward=True. Allowed: one of them.")
         super().__init__(*args, **kwargs)
         self._built_under_policy = precision.current_policy()
         # kvram's counters, warnings given and compiled slice function: what the
@@ -216,9 +232,8 @@ class Model(keras.Model):
 
     @property
     def inner_optimizer(self):
-        """The optimizer that updates the weights (inside a `LossScaleOptimizer` if any)."""
-        optimizer = getattr(self, "optimizer", None)
-        return getattr(optimizer, "inner_optimizer", optimizer)
+        """The optimizer that computes the update (inside a `LossScaleOptimizer`, a `HostOffload`, if any)."""
+        return _innermost(getattr(self, "optimizer", None))
 
     def compile(self, optimizer="rmsprop", *args, steps_per_execution="auto", **kwargs):
         # Every check first: a compile() that is refused changes nothing (neither the
@@ -229,7 +244,8 @@ class Model(keras.Model):
         loss = args[0] if args else kwargs.get("loss")
         if self._micro_batch_size is not None:
             _step.check_mean_reductions(loss)
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        optimizer = self._offloaded(optimizer)
+        inner = _innermost(optimizer)
         if inner is not None:
             self._check_optimizer(inner)
         if self.update_in_backward and (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
@@ -240,6 +256,12 @@ class Model(keras.Model):
         auto = steps_per_execution == _execution.AUTO
         super().compile(optimizer, *args, steps_per_execution=1 if auto else steps_per_execution, **kwargs)
         self._auto_steps_per_execution = auto
+        # A host update cannot sit in an XLA computation: the step runs in TensorFlow's executor,
+        # each forward and backward pass compiled with XLA as `jit_compile` says (_step.slice_function).
+        self._kvram_slice_jit = None
+        if _offload(self.optimizer) is not None:
+            self._kvram_slice_jit = bool(self.jit_compile)
+            self.jit_compile = False
         if auto:  # saved as given, so a loaded model resolves it again
             self._compile_config.config["steps_per_execution"] = _execution.AUTO
         if inner is None:
@@ -248,6 +270,17 @@ class Model(keras.Model):
             inner.gradient_accumulation_steps = self.accumulation_steps
         if self.clip_global_norm is not None:
             inner.global_clipnorm = self.clip_global_norm
+
+    def _offloaded(self, optimizer):
+        """`optimizer`, run on the host (`HostOffload`) when the model was given host_offload=True."""
+        if not self.host_offload or optimizer is None or _offload(optimizer) is not None:
+            return optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "host_offload=True wraps the optimizer that computes the update, and compile() puts a "
+                "LossScaleOptimizer around it under mixed_float16. Received: a LossScaleOptimizer. Allowed: its "
+                "inner optimizer, or kvram.optimizers.HostOffload(inner) inside your LossScaleOptimizer.")
+        return optimizers.HostOffload(optimizer)
 
     def _check_optimizer(self, inner) -> None:
         """Refuses an optimizer that cannot do what the model was given (accumulation,
@@ -411,6 +444,8 @@ class Model(keras.Model):
                 return None
         try:
             self._symbolic_build(data_batch=data_batch)
+        except MemoryError:  # a refusal (HostOffload's host check) is the user's answer, not a reason to retry
+            raise
         except Exception:  # noqa: BLE001 - built in the trace instead, as Keras does without a strategy
             pass
         return None
@@ -465,6 +500,8 @@ class Model(keras.Model):
         state = self._step_state
         if self.update_in_backward and self.trainable_weights:
             y_pred = _step.update_in_backward(self, state, x, y, sample_weight)
+        elif self._micro_batch_size is None and getattr(self, "_kvram_slice_jit", None):
+            gradients, y_pred = _step.slice_function(self, state)(x, y, sample_weight)  # host_offload
         elif self._micro_batch_size is None:
             gradients, y_pred = _step.slice_gradients(self, x, y, sample_weight)
         else:
@@ -527,6 +564,22 @@ def _functional_class(cls: type) -> type:
 @keras.saving.register_keras_serializable(package="kvram")
 class FunctionalModel(Model, Functional):
     """What `kvram.Model(inputs, outputs)` returns: a functional `kvram.Model`."""
+
+
+def _innermost(optimizer):
+    """The optimizer that computes the update, inside any `LossScaleOptimizer` and `HostOffload`."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def _offload(optimizer):
+    """The `HostOffload` in `optimizer`'s chain of wrappers, or None."""
+    while optimizer is not None:
+        if isinstance(optimizer, optimizers.HostOffload):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
 
 
 def _has_unknown_cardinality(x) -> bool:

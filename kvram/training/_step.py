@@ -316,8 +316,10 @@ def micro_batch_gradients(model, state, x, y, sample_weight, micro_batch_size):
     return [s if p else None for s, p in zip(sums, present)]
 
 def slice_function(model, state):
-    """`_slice_gradients`, as an XLA computation when the model compiles with XLA."""
-    if not model.jit_compile or model.run_eagerly or tf.executing_eagerly():
+    """`_slice_gradients`, as an XLA computation when the model compiles with XLA
+    (`jit_compile`, or the one it was compiled with under host_offload, whose step is not XLA's)."""
+    jit = model.jit_compile or getattr(model, "_kvram_slice_jit", None)
+    if not jit or model.run_eagerly or tf.executing_eagerly():
         return functools.partial(slice_gradients, model)
     function = state.jit_slice_gradients
     if function is None:

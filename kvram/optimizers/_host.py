@@ -1,0 +1,226 @@
+"""An optimizer whose state and float32 master weights live in host memory."""
+
+from __future__ import annotations
+
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.saving import serialization_lib
+
+# Optimizer state per parameter, in bytes, for Keras's optimizers (their `build`); kvram's
+# AdamW8bit counts its own (`_state_bytes`). Used to refuse a host too small before anything
+# is allocated; an optimizer not listed is counted as Adam's 8 and the message says so.
+_STATE_BYTES = {
+    "SGD": lambda o, n: 4 * n if o.momentum else 0,
+    "Adam": lambda o, n: (12 if o.amsgrad else 8) * n,
+    "AdamW": lambda o, n: (12 if o.amsgrad else 8) * n,
+    "Adamax": lambda o, n: 8 * n,
+    "Nadam": lambda o, n: 8 * n,
+    "Lion": lambda o, n: 4 * n,
+    "Adagrad": lambda o, n: 4 * n,
+    "Adadelta": lambda o, n: 8 * n,
+    "Ftrl": lambda o, n: 8 * n,
+    "RMSprop": lambda o, n: (4 + (4 if o.momentum else 0) + (4 if o.centered else 0)) * n,
+}
+_ASSUMED = 8
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def available_host_bytes() -> int | None:
+    """Memory the host can still give (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _state_bytes(optimizer, shapes) -> tuple[int, bool]:
+    """(bytes of `optimizer`'s state for variables of `shapes`, whether it is known exactly)."""
+    counter = getattr(optimizer, "state_bytes", None)
+    if callable(counter):  # kvram's AdamW8bit
+        return int(sum(counter(shape) for shape in shapes)), True
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    rule = _STATE_BYTES.get(type(optimizer).__name__)
+    known = rule is not None and type(optimizer).__module__.startswith("keras")
+    total = sum(rule(optimizer, n) if known else _ASSUMED * n for n in sizes)
+    if (optimizer.gradient_accumulation_steps or 1) > 1:
+        total += 4 * sum(sizes)  # the float32 sum of gradients
+    return int(total), known
+
+
+@keras.saving.register_keras_serializable(package="kvram")
+class HostOffload(keras.optimizers.Optimizer):
+    """Runs `inner_optimizer` on the host: its state, and a float32 master copy of every weight,
+    live in host memory; the device keeps only the model's own weights (bfloat16 ones under a
+    "bfloat16" dtype policy, so no float32 copy of a weight is on the device at all).
+
+    Each `apply(gradients, weights)` copies the gradients to the host (in their own dtype: a
+    bfloat16 gradient crosses as 2 bytes per value), updates the masters there with
+    `inner_optimizer`'s own step (Keras's AdamW, kvram's AdamW8bit, ...: its weight decay,
+    clipping and `gradient_accumulation_steps`, summed on the host in float32), and copies each
+    master back cast to its weight's dtype. The update runs as TensorFlow CPU kernels on the host's
+    cores, so the step holding it cannot be one XLA computation: `kvram.Model(host_offload=True)`
+    compiles each forward and backward pass with XLA and leaves the update to TensorFlow's
+    executor. A plain `keras.Model` must be compiled with `jit_compile=False` to use it.
+
+    `build` refuses, before it allocates anything, a host whose free memory (Linux's
+    MemAvailable) is smaller than the masters and the state, with both numbers. The masters and
+    the state are the optimizer's variables: `model.save` and TensorFlow checkpoints keep them,
+    and loading puts them back bit for bit.
+
+    Args:
+        inner_optimizer: the `keras.optimizers.Optimizer` that computes the update.
+        host: the device holding masters and state ("/CPU:0").
+    """
+
+    def __init__(self, inner_optimizer, host="/CPU:0", name=None):
+        inner_optimizer = keras.optimizers.get(inner_optimizer)
+        if isinstance(inner_optimizer, (HostOffload, keras.optimizers.LossScaleOptimizer)):
+            raise ValueError(
+                f"HostOffload wraps the optimizer that computes the update, not a {type(inner_optimizer).__name__}. "
+                "Allowed: HostOffload(keras.optimizers.AdamW(...)), wrapped in a LossScaleOptimizer if needed.")
+        cpus = tf.config.list_logical_devices("CPU")
+        spec = tf.DeviceSpec.from_string(host)
+        if spec.device_type != "CPU" or not any(
+                tf.DeviceSpec.from_string(d.name).device_index == (spec.device_index or 0) for d in cpus):
+            raise ValueError(f"host must name one of this machine's CPUs. Received: host={host!r}. "
+                             f"Allowed: {', '.join(d.name for d in cpus)}")
+        super().__init__(learning_rate=0.0, name=name or "host_offload")
+        self.inner_optimizer = inner_optimizer
+        self.host = host
+        self.masters = []
+
+    def required_host_bytes(self, var_list) -> tuple[int, bool]:
+        """(bytes the host needs for `var_list`'s masters and state, whether known exactly)."""
+        shapes = [tuple(v.shape) for v in var_list]
+        state, exact = _state_bytes(self.inner_optimizer, shapes)
+        return 4 * sum(int(np.prod(s)) for s in shapes) + state, exact
+
+    def _check_host(self, var_list) -> None:
+        need, exact = self.required_host_bytes(var_list)
+        free = available_host_bytes()
+        if free is None or need <= free:
+            return
+        how = "" if exact else (
+            f" ({type(self.inner_optimizer).__name__}'s state counted as Adam's {_ASSUMED} bytes per parameter)")
+        parameters = sum(int(np.prod(v.shape)) for v in var_list)
+        raise MemoryError(
+            f"HostOffload needs {_gib(need)} of host memory for {parameters:,} parameters: float32 master weights "
+            f"({_gib(4 * parameters)}) and {type(self.inner_optimizer).__name__}'s state{how}; the host has "
+            f"{_gib(free)} free (MemAvailable). Nothing was allocated. Free host memory, use a smaller state "
+            "(kvram.optimizers.AdamW8bit: 2 bytes per parameter), or train fewer weights.")
+
+    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        self._check_host(var_list)
+        with tf.device(self.host):
+            masters = []
+            for variable in var_list:
+                value = tf.cast(tf.convert_to_tensor(variable), tf.float32)
+                masters.append(self.add_variable(
+                    shape=variable.shape, dtype="float32",
+                    initializer=lambda shape, dtype, value=value: tf.identity(value),
+                    name=variable.path.replace("/", "_") + "_master"))
+            inner = self.inner_optimizer
+            _scalars_to_host(inner, self.host)
+            inner.build(masters)
+        # Weight decay as the inner optimizer decides it for each model weight (by weight or by name).
+        cache = inner.__dict__.setdefault("_exclude_from_weight_decay_cache", {})
+        for variable, master in zip(var_list, masters):
+            cache[inner._var_key(master)] = inner._use_weight_decay(variable)
+        self.masters = masters
+        self._master_of = {self._var_key(v): m for v, m in zip(var_list, masters)}
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    def apply(self, grads, trainable_variables=None):
+        if not self.built:
+            with keras.src.backend.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            raise ValueError(f"HostOffload updates one host copy of the weights, so it cannot run over "
+                             f"{context.num_replicas_in_sync} replicas. Allowed: one device.")
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        masters = [self._master_of[self._var_key(v)] for _, v in pairs]
+        with tf.device(self.host):
+            host_grads = [_to_float32(g) for g, _ in pairs]
+            self.inner_optimizer.apply(host_grads, masters)
+            for (_, variable), master in zip(pairs, masters):
+                # cast on the host, so that a bfloat16 weight crosses as 2 bytes per value
+                variable.assign(tf.cast(master, variable.dtype))
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError("HostOffload runs on the TensorFlow backend's stateful apply only.")
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        if hasattr(self, "inner_optimizer"):
+            self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(self.masters)
+        for variable, master in zip(var_list, self.masters):
+            variable.assign(tf.cast(master, variable.dtype))
+
+    def get_config(self):
+        return {"name": self.name, "host": self.host,
+                "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer)}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = serialization_lib.deserialize_keras_object(config.pop("inner_optimizer"),
+                                                           custom_objects=custom_objects)
+        return cls(inner, **config)
+
+
+def _scalars_to_host(optimizer, host) -> None:
+    """Re-creates `optimizer`'s step count and learning rate on `host` (it made them where it was
+    constructed: on a GPU by default), so that its update reads no value across devices."""
+    if not tf.executing_eagerly():
+        return
+    want = tf.DeviceSpec.from_string(host)
+    for attribute in ("_iterations", "_learning_rate"):
+        old = getattr(optimizer, attribute, None)
+        if not isinstance(old, keras.Variable):
+            continue  # a schedule
+        where = tf.DeviceSpec.from_string(old.value.device)
+        if (where.device_type, where.device_index) == (want.device_type, want.device_index or 0):
+            continue
+        with tf.device(host), keras.name_scope(optimizer.name, caller=optimizer):
+            new = keras.Variable(tf.identity(old.value), name=old.name, dtype=old.dtype, trainable=False,
+                                 aggregation=old.aggregation)
+        index = next(i for i, v in enumerate(optimizer._variables) if v is old)
+        optimizer._variables[index] = new
+        setattr(optimizer, attribute, new)
+
+
+def _to_float32(gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(gradient.values, tf.float32), gradient.indices, gradient.dense_shape)
+    return tf.cast(gradient, tf.float32)

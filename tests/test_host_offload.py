@@ -1,0 +1,191 @@
+"""kvram.optimizers.HostOffload and kvram.Model(host_offload=True): the optimizer's state and
+float32 master weights on the host (CPU:0), the model's weights on another device (the second
+logical CPU stands in for the GPU)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kvram
+from kvram.optimizers import AdamW8bit, HostOffload, _host
+
+DEVICE = "/CPU:1"
+
+
+def _data(rows=64):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 12)).astype("float32")
+    return x, (x @ rng.normal(size=(12, 3))).astype("float32")
+
+
+def _model(seed=0, **kvram_args):
+    keras.utils.set_random_seed(seed)
+    with tf.device(DEVICE):
+        inputs = keras.Input((12,))
+        hidden = keras.layers.Dense(32, activation="relu")(inputs)
+        return kvram.Model(inputs, keras.layers.Dense(3)(hidden), **kvram_args)
+
+
+def _adamw(learning_rate=1e-2):
+    optimizer = keras.optimizers.AdamW(learning_rate, weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
+def _device(variable):
+    return tf.DeviceSpec.from_string(variable.value.device)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_host_update_equals_the_one_on_the_device(jit):
+    args = {"accumulation_steps": 2, "clip_global_norm": 0.5}
+    x, y = _data()
+    with tf.device(DEVICE):  # the step's device, as a GPU is by default: XLA's runs on the model's weights
+        plain = _model(**args)
+        plain.compile(_adamw(), "mse", jit_compile=jit)
+        offloaded = _model(**args, host_offload=True)
+        offloaded.compile(_adamw(), "mse", jit_compile=jit)
+    assert isinstance(offloaded.optimizer, HostOffload) and offloaded.jit_compile is False
+    assert offloaded.inner_optimizer.gradient_accumulation_steps == 2
+    for model in (plain, offloaded):
+        with tf.device(DEVICE):
+            model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    assert int(offloaded.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 6  # 12 batches, 2 each
+    for a, b in zip(plain.get_weights(), offloaded.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    assert np.abs(plain.get_weights()[0] - _model().get_weights()[0]).max() > 1e-2  # it trained
+    # the model's weights stayed on their device; masters, moments and accumulators are the host's
+    assert {_device(v).device_index for v in offloaded.weights} == {1}
+    host_state = offloaded.inner_optimizer.variables + offloaded.optimizer.masters
+    assert {(_device(v).device_type, _device(v).device_index) for v in host_state} == {("CPU", 0)}
+    for weight, master in zip(offloaded.trainable_weights, offloaded.optimizer.masters):
+        assert master.dtype == "float32" and np.array_equal(weight.numpy(), master.numpy())
+
+
+def test_bfloat16_weights_are_the_rounded_float32_masters():
+    """Updates of about 1e-3 on weights near 1 are under half a bfloat16 step: kept in the float32
+    masters, they add up and move the bfloat16 weights."""
+    keras.config.set_dtype_policy("bfloat16")  # (conftest puts float32 back)
+    keras.utils.set_random_seed(0)
+    with tf.device(DEVICE):
+        model = kvram.Model(host_offload=True, inputs=(inputs := keras.Input((16,))),
+                            outputs=keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(inputs))
+    model.compile(keras.optimizers.AdamW(1e-3, weight_decay=0.0), "mse")
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    history = model.fit(x, x @ np.full((16, 1), 1.05, "float32"), batch_size=64, epochs=25, shuffle=False,
+                        verbose=0).history["loss"]
+    (weight,), (master,) = model.trainable_weights, model.optimizer.masters
+    assert weight.dtype == "bfloat16" and master.dtype == "float32"
+    assert np.array_equal(weight.numpy(), tf.cast(master, tf.bfloat16).numpy())
+    assert history[-1] < 0.1 * history[0], history
+    assert np.abs(master.numpy() - 1.05).mean() < 0.01
+
+
+def test_a_nonfinite_step_changes_neither_weights_nor_host_state():
+    x, y = _data(16)
+    model = _model(host_offload=True)
+    model.compile(_adamw(), "mse", steps_per_execution=1)
+    model.train_on_batch(x, y)
+    before = [v.numpy() for v in model.weights + model.optimizer.variables]
+    x[3, 2] = np.nan
+    model.train_on_batch(x, y)
+    assert model.skipped_steps == 1
+    for old, variable in zip(before, model.weights + model.optimizer.variables):
+        assert np.array_equal(old, variable.numpy(), equal_nan=True), variable.path
+
+
+def test_under_mixed_float16_a_loss_scale_optimizer_wraps_it():
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = _data()
+    model = _model(host_offload=True)
+    model.compile(keras.optimizers.AdamW(1e-2), "mse")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(model.optimizer.inner_optimizer, HostOffload)
+    history = model.fit(x, y, batch_size=16, epochs=4, verbose=0).history["loss"]
+    assert history[-1] < history[0] and np.isfinite(history[-1])
+
+
+@pytest.mark.slow  # two models saved, loaded and trained
+def test_host_state_is_saved_and_restored_bit_for_bit(tmp_path):
+    x, y = _data()
+
+    def trained():
+        model = _model(host_offload=True)
+        model.compile(AdamW8bit(1e-2, min_8bit_size=64, block_size=64), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model
+
+    model = trained()
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded.optimizer, HostOffload) and isinstance(loaded.optimizer.inner_optimizer, AdamW8bit)
+    assert len(loaded.optimizer.variables) == len(model.optimizer.variables)
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
+        assert a.dtype == b.dtype and np.array_equal(a.numpy(), b.numpy()), a.path
+        assert _device(b).device_type == "CPU" and _device(b).device_index == 0, b.path
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(tmp_path / "ckpt")
+    again = trained()
+    again.fit(x, y, batch_size=16, epochs=1, verbose=0)  # moved on, then restored
+    tf.train.Checkpoint(model=again, optimizer=again.optimizer).restore(path)
+    for a, b in zip(model.optimizer.variables + model.weights, again.optimizer.variables + again.weights):
+        assert np.array_equal(a.numpy(), b.numpy()), a.path
+    # resumed training goes on as the uninterrupted one does
+    for m in (model, loaded, again):
+        m.train_on_batch(x[:16], y[:16])
+    for a, b, c in zip(model.get_weights(), loaded.get_weights(), again.get_weights()):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("inner", [
+    lambda: keras.optimizers.AdamW(), lambda: keras.optimizers.SGD(momentum=0.9),
+    lambda: keras.optimizers.Adam(amsgrad=True, gradient_accumulation_steps=2),
+    lambda: AdamW8bit(min_8bit_size=200, block_size=64)])
+def test_the_bytes_counted_before_build_are_those_build_allocates(inner):
+    model = _model()
+    optimizer = HostOffload(inner())
+    need, exact = optimizer.required_host_bytes(model.trainable_variables)
+    optimizer.build(model.trainable_variables)
+    allocated = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in optimizer.variables
+                    if len(v.shape))
+    assert exact and need == allocated
+
+
+def test_a_host_too_small_is_refused_with_the_numbers_before_anything_is_allocated(monkeypatch):
+    monkeypatch.setattr(_host, "available_host_bytes", lambda: 1000)
+    model = _model(host_offload=True)
+    model.compile(keras.optimizers.Adam(), "mse")
+    x, y = _data(16)
+    parameters = model.count_params()
+    with pytest.raises(MemoryError, match=rf"needs 0\.00 GiB .* {parameters:,} parameters.*has 0\.00 GiB free") as e:
+        model.fit(x, y, verbose=0)
+    assert "Adam's state" in str(e.value)
+    assert not model.optimizer.built and model.optimizer.masters == []
+    need, _ = model.optimizer.required_host_bytes(model.trainable_variables)
+    assert need == 12 * parameters  # float32 masters and Adam's two moments
+
+
+def test_an_optimizer_it_does_not_know_is_counted_as_adam_and_the_message_says_so(monkeypatch):
+    class Mine(keras.optimizers.SGD):
+        pass
+
+    monkeypatch.setattr(_host, "available_host_bytes", lambda: 16)
+    model = _model()
+    with pytest.raises(MemoryError, match="Mine's state counted as Adam's 8 bytes per parameter"):
+        HostOffload(Mine()).build(model.trainable_variables)
+
+
+def test_bad_arguments_say_what_was_given_and_what_is_allowed():
+    with pytest.raises(ValueError, match="host must name one of this machine's CPUs. Received: host='/GPU:0'"):
+        HostOffload(keras.optimizers.Adam(), host="/GPU:0")
+    with pytest.raises(ValueError, match="not a LossScaleOptimizer"):
+        HostOffload(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()))
+    with pytest.raises(ValueError, match="host_offload=True .* update_in_backward=True"):
+        _model(host_offload=True, update_in_backward=True)
+    with pytest.raises(TypeError, match="host_offload"):
+        _model(host_offload="yes")
+    model = _model(host_offload=True)
+    with pytest.raises(ValueError, match="Received: a LossScaleOptimizer"):
+        model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "mse")
+    assert getattr(model, "optimizer", None) is None  # the refused compile changed nothing
