@@ -10,7 +10,7 @@ Variables stay float32 in every policy; activations are 16-bit in the
 mixed ones, which is where the memory goes. Under mixed_float16 Keras wraps the
 optimizer in a LossScaleOptimizer (dynamic loss scaling); bfloat16 needs none.
 
-    python examples/mixed_precision.py [--samples 1024] [--batch 32] [--epochs 3]
+    python examples/mixed_precision.py [--samples 1024] [--batch 32] [--epochs 3] [--size 32]
 """
 
 import argparse
@@ -75,16 +75,17 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--size", type=int, default=32, help="image side in pixels (a multiple of 8)")
     args = parser.parse_args(argv)
-    x, y = quadrant_images(args.samples)
-    x_test, y_test = quadrant_images(256, seed=1)
+    x, y = quadrant_images(args.samples, args.size)
+    x_test, y_test = quadrant_images(256, args.size, seed=1)
     results = {}
     initial = None
     for policy in POLICIES:
         kvram.precision.enable(policy)
         keras.utils.set_random_seed(0)
         with tf.device("CPU:0"):
-            model = vit_tiny(classes=4)
+            model = vit_tiny(image_size=args.size, classes=4)
             if initial is None:
                 initial = model.get_weights()
             model.set_weights(initial)
