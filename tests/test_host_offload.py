@@ -189,3 +189,17 @@ def test_bad_arguments_say_what_was_given_and_what_is_allowed():
     with pytest.raises(ValueError, match="Received: a LossScaleOptimizer"):
         model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "mse")
     assert getattr(model, "optimizer", None) is None  # the refused compile changed nothing
+
+
+def test_the_guard_and_the_update_read_host_copies_of_the_gradients():
+    """Each gradient is copied to the host as it is made: in the traced step, the guard's checks
+    run on the host, so no op on the device waits for every gradient."""
+    x, y = _data(16)
+    with tf.device(DEVICE):
+        model = _model(host_offload=True)
+        model.compile(_adamw(), "mse")
+        model.train_on_batch(x, y)  # built
+        graph = tf.function(model.train_step).get_concrete_function((tf.constant(x), tf.constant(y))).graph
+    checks = [op for op in graph.get_operations() if op.type == "IsFinite"]
+    assert len(checks) == len(model.trainable_weights)
+    assert all(tf.DeviceSpec.from_string(op.device).device_index == 0 for op in checks), [op.device for op in checks]

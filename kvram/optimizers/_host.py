@@ -163,6 +163,13 @@ class HostOffload(keras.optimizers.Optimizer):
                 # cast on the host, so that a bfloat16 weight crosses as 2 bytes per value
                 variable.assign(tf.cast(master, variable.dtype))
 
+    def to_host(self, grads) -> list:
+        """`grads` copied to the host (each in its own dtype, then float32 there). A step that
+        calls this as soon as its gradients are made lets each device gradient go once copied:
+        what then needs every gradient (the non-finite guard, clipping, `apply`) reads the copies."""
+        with tf.device(self.host):
+            return [None if g is None else _to_float32(g) for g in grads]
+
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError("HostOffload runs on the TensorFlow backend's stateful apply only.")
 
@@ -221,6 +228,9 @@ def _scalars_to_host(optimizer, host) -> None:
 
 
 def _to_float32(gradient):
+    """`gradient` as float32, computed where the caller's device scope says. An op on every path
+    (tf.cast alone makes none for a float32 tensor), so that the copy does happen there."""
     if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.cast(gradient.values, tf.float32), gradient.indices, gradient.dense_shape)
-    return tf.cast(gradient, tf.float32)
+        return tf.IndexedSlices(tf.identity(tf.cast(gradient.values, tf.float32)), tf.identity(gradient.indices),
+                                gradient.dense_shape)
+    return tf.identity(tf.cast(gradient, tf.float32))

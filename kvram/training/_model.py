@@ -510,6 +510,9 @@ class Model(keras.Model):
         if self.update_in_backward and self.trainable_weights:
             pass  # applied, each update as soon as its gradient is there
         elif self.trainable_weights:
+            offload = _offload(self.optimizer)
+            if offload is not None:  # the guard and the update read host copies
+                gradients = offload.to_host(gradients)
             finite = _step.all_finite(gradients)
             _step.apply_gradients(
                 self,
