@@ -11,11 +11,15 @@ decoder block (kvram's `remat.rebuild`) and compute in bfloat16 under XLA:
   `AdamW8bit` (8-bit moments, stochastic rounding of the bfloat16 update),
   `kvram.Model(update_in_backward=True)` (no step holds every gradient; the non-finite guard on),
   `efficient_attention`, `lean_activations` and `fused_cross_entropy`.
+- `kvram_offload`: as `kvram_state`, but `kvram.Model(host_offload=True)` instead of
+  `update_in_backward`: `AdamW8bit`'s state and float32 master weights in host memory, the update on
+  the host's cores; `--accumulation` batches per update, summed on the host.
 
 `--runs keras_adamw:18,keras_adamw:20,kvram_state:80` trains each (configuration, depth) in its
 own process for `--warmup` then `--steps` timed steps; a run that runs out of memory is recorded
 as such. The result gives per run: parameters, trained or not (and the error's first line),
-tokens/s, MFU (6 N + 12 L d T FLOPs per token against `--peak-tflops`), the peak GiB; and per
+tokens/s, MFU (6 N + 12 L d T FLOPs per token against `--peak-tflops`), the peak GiB of the device and
+the process's peak resident host memory; and per
 configuration the largest depth that trained, and kvram's largest parameter count over Keras's.
 
     python benchmarks/optimizers/capacity.py --runs keras_adamw:18,keras_adamw:20,kvram_state:80 \\
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -42,6 +47,8 @@ CONFIGS = {
     "keras_adamw": "Keras AdamW, mixed_bfloat16 (float32 weights, gradients, moments), a Checkpoint on every block",
     "kvram_state": "bfloat16 weights, kvram AdamW8bit (stochastic rounding), kvram.Model(update_in_backward=True), "
                    "a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
+    "kvram_offload": "bfloat16 weights, kvram.Model(host_offload=True): AdamW8bit state and float32 masters in host "
+                     "memory, a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
 }
 
 
@@ -66,7 +73,7 @@ def child(name, depth, args):
     from benchmarks.common import timed_fit
     from kvram import remat
 
-    lean = name == "kvram_state"
+    lean = name in ("kvram_state", "kvram_offload")
     keras.config.set_dtype_policy("bfloat16" if lean else "mixed_bfloat16")
     keras.utils.set_random_seed(0)
     shape = _shape(args, depth)
@@ -80,7 +87,11 @@ def child(name, depth, args):
     chain = remat.segments(model)
     blocks = [any(n.startswith("transformer_layer") for n in s.layers) for s in chain]
     model = remat.rebuild(model, [[i] for i in range(len(chain))], blocks)
-    if lean:
+    if name == "kvram_offload":
+        model = kvram.Model(model.input, model.output, host_offload=True, accumulation_steps=args.accumulation,
+                            name=model.name)
+        optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01)  # float32 masters: no rounding
+    elif lean:
         model = kvram.Model(model.input, model.output, update_in_backward=True, name=model.name)
         optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01, rounding="stochastic")
     else:
@@ -104,6 +115,8 @@ def child(name, depth, args):
                   "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / (args.peak_tflops * 1e12),
                   "peak_gib": timed["peak_gib"][args.device], "final_loss": timed["loss"],
                   "timed_steps": timed["steps"], "wall_s_with_compile": time.perf_counter() - started,
+                  "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                  "batches_per_update": args.accumulation if name == "kvram_offload" else 1,
                   "versions": versions()})
 
 
@@ -152,6 +165,7 @@ def main():
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocabulary", type=int, default=32000)
+    parser.add_argument("--accumulation", type=int, default=8, help="batches per update (kvram_offload)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 TFLOP/s, for MFU")
