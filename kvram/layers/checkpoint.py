@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 
 import keras
 import tensorflow as tf
@@ -27,6 +28,23 @@ class _IntegerWatchFilter(logging.Filter):
 
 
 tf.get_logger().addFilter(_IntegerWatchFilter())
+
+_compiling = threading.local()
+
+
+@contextlib.contextmanager
+def compiled_blocks():
+    """Within, each `Checkpoint` traced in training compiles its block by itself with XLA: its
+    forward pass, and its recomputation and backward pass in the backward (TensorFlow compiles the
+    gradient of an XLA function with XLA too). What calls them stays in TensorFlow's executor, so
+    each block's weight gradients are outputs of their own computation, there as soon as it ends
+    (kvram.Model(host_offload=True) copies them to the host then)."""
+    before = getattr(_compiling, "on", False)
+    _compiling.on = True
+    try:
+        yield
+    finally:
+        _compiling.on = before
 
 
 @keras.saving.register_keras_serializable(package="kvram")
@@ -155,6 +173,8 @@ class Checkpoint(keras.layers.Layer):
             return logits, outputs
 
         inputs = [flat_args[i] for i in tensor_positions]
+        if getattr(_compiling, "on", False):
+            forward = tf.function(forward, jit_compile=True, autograph=False)
         outputs = tf.recompute_grad(forward)(*inputs, *snapshot)
         if carries_logits:
             # Keras's softmax and sigmoid hang their logits on their output

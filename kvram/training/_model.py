@@ -501,7 +501,7 @@ class Model(keras.Model):
         if self.update_in_backward and self.trainable_weights:
             y_pred = _step.update_in_backward(self, state, x, y, sample_weight)
         elif self._micro_batch_size is None and getattr(self, "_kvram_slice_jit", None):
-            gradients, y_pred = _step.slice_function(self, state)(x, y, sample_weight)  # host_offload
+            gradients, y_pred = _step.offloaded_gradients(self, state, x, y, sample_weight)
         elif self._micro_batch_size is None:
             gradients, y_pred = _step.slice_gradients(self, x, y, sample_weight)
         else:

@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras import tree
 from keras.src.losses import loss as loss_module
 
+from kvram.layers import checkpoint
 from kvram.training import _batch_statistics
 
 
@@ -328,6 +329,18 @@ def slice_function(model, state):
         )
         state.jit_slice_gradients = function
     return function
+
+def offloaded_gradients(model, state, x, y, sample_weight):
+    """`slice_gradients` for a step that leaves XLA (host_offload). A model with `Checkpoint`
+    blocks compiles each block by itself, so that each block's gradients are made, and can leave
+    the device, while the next block's backward pass runs; without blocks the forward and backward
+    pass is one XLA computation. As `jit_compile` said at `compile()`."""
+    if any(isinstance(layer, checkpoint.Checkpoint) for layer in model._flatten_layers()) and not (
+            model.run_eagerly or tf.executing_eagerly()):
+        with checkpoint.compiled_blocks():
+            return slice_gradients(model, x, y, sample_weight)
+    return slice_function(model, state)(x, y, sample_weight)
+
 
 def apply_gradients(model, state, gradients, trainable_weights, finite=None, bad_inputs=None):
     """Applies `gradients` unless they are not all finite.
