@@ -1183,8 +1183,16 @@ def test_where_nothing_fits_the_table_says_whether_8_bit_moments_would():
     # 0.5 MiB of gradients: no less than 0.5 MiB without them, which might fit
     assert "update_in_backward=True): no step holds all 0.5 MiB of gradients; the least-memory row would take " \
         "no less than 0.5 MiB and might fit" in str(found), str(found)
+    # without the old JSON's "masters", no host_offload line; with them, the state leaves the device
+    assert "host_offload" not in str(found)
+    report["state"]["float32"]["masters"] = 2**19
+    assert "with kvram.Model(host_offload=True): the optimizer state (1.0 MiB) moves to host memory, beside " \
+        "0.5 MiB of float32 master weights; the least-memory row would take 0.0 MiB and fits" \
+        in str(remat.Estimate.from_json(report)), str(remat.Estimate.from_json(report))
     report["configurations"][1]["predicted_peak_bytes"] = 3 * 2**20
     assert "would take 2.2 MiB and still does not fit" in str(remat.Estimate.from_json(report))
+    assert "would take 2.0 MiB and still does not fit (predicted, not checked; the host" \
+        in str(remat.Estimate.from_json(report))
     assert "no less than 2.5 MiB and still does not fit" in str(remat.Estimate.from_json(report))
 
 

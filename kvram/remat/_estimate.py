@@ -196,8 +196,9 @@ class Estimate:
 
     def _eight_bit_lines(self) -> list:
         """Where nothing fits: what 8-bit moments would save under Adam or AdamW,
-        and whether each precision's least-memory row would then fit; and the
-        most that `kvram.Model(update_in_backward=True)` could save (predicted)."""
+        and whether each precision's least-memory row would then fit; what
+        `kvram.Model(host_offload=True)` would move to the host; and the most that
+        `kvram.Model(update_in_backward=True)` could save (predicted)."""
         lines, limit = [], (1 - self.margin) * self.memory_bytes
         for precision, st in self.state.items():
             least = min((c.predicted_peak_bytes for c in self.configurations if c.precision == precision
@@ -211,6 +212,13 @@ class Estimate:
                              f"optimizer state {_size(st['optimizer_8bit'])} instead of {_size(st['optimizer'])}; "
                              f"the least-memory row would take {_size(least - saved)} and {verdict} (predicted, "
                              "not checked)")
+            if st.get("optimizer") and "masters" in st:
+                verdict = "fits" if least - st["optimizer"] <= limit else "still does not fit"
+                lines.append(f"{precision} with kvram.Model(host_offload=True): the optimizer state "
+                             f"({_size(st['optimizer'])}) moves to host memory, beside "
+                             f"{_size(st['masters'])} of float32 master weights; the least-memory row would take "
+                             f"{_size(least - st['optimizer'])} and {verdict} (predicted, not checked; the host "
+                             "update's time is not predicted)")
             if st.get("gradients"):
                 verdict = ("still does not fit" if least - st["gradients"] > limit
                            else "might fit: train to see")
@@ -391,6 +399,8 @@ def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows,
     eight_bit = _plan.eight_bit_alternative(optimizer)
     if eight_bit is not None:  # its state, for the table's line when nothing fits
         state["optimizer_8bit"] = _plan._optimizer_bytes(model, eight_bit)
+    # host_offload's float32 master weights, for the same line
+    state["masters"] = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     configurations = []
     for micro in [None] + list(micro_batch_sizes):
         rows = micro or batch_size
