@@ -234,3 +234,33 @@ def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
     compiled = [f.signature.name for f in graph.as_graph_def().library.function if f.attr["_XlaMustCompile"].b]
     assert sum("backward" in name for name in compiled) == 3, compiled  # one per block
+
+
+def test_a_fit_interrupted_mid_epoch_resumes_from_its_backup_with_the_host_state(tmp_path):
+    """keras.callbacks.BackupAndRestore keeps the masters and the host's optimizer state with the
+    weights: a fit killed in its third epoch, run again, ends where an uninterrupted fit ends."""
+    x, y = _data()
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 2 and batch == 1:
+                raise KeyboardInterrupt("stopped in the middle of epoch 3")
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+    def fit(callbacks):
+        model = _model(host_offload=True)
+        model.compile(AdamW8bit(1e-2, min_8bit_size=64, block_size=64), "mse", steps_per_execution=1)
+        model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+        return model
+
+    whole = fit([])
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(KeyboardInterrupt):
+        fit([backup, Interrupt()])
+    resumed = fit([keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+    assert int(resumed.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy()) == 16
+    for a, b in zip(whole.get_weights() + [v.numpy() for v in whole.optimizer.masters],
+                    resumed.get_weights() + [v.numpy() for v in resumed.optimizer.masters]):
+        np.testing.assert_array_equal(a, b)
