@@ -14,6 +14,9 @@ decoder block (kvram's `remat.rebuild`) and compute in bfloat16 under XLA:
 - `kvram_offload`: as `kvram_state`, but `kvram.Model(host_offload=True)` instead of
   `update_in_backward`: `AdamW8bit`'s state and float32 master weights in host memory, the update on
   the host's cores; `--accumulation` batches per update, summed on the host.
+- `kvram_gpu`: `kvram_offload`'s twin on the device: `mixed_bfloat16` (float32 weights, the same
+  bfloat16 values in the forward pass), the same `AdamW8bit` and `--accumulation`: its loss after
+  `--steps` is what the offloaded run's should equal.
 
 `--runs keras_adamw:18,keras_adamw:20,kvram_state:80` trains each (configuration, depth) in its
 own process for `--warmup` then `--steps` timed steps; a run that runs out of memory is recorded
@@ -49,7 +52,10 @@ CONFIGS = {
                    "a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
     "kvram_offload": "bfloat16 weights, kvram.Model(host_offload=True): AdamW8bit state and float32 masters in host "
                      "memory, a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
+    "kvram_gpu": "mixed_bfloat16, kvram AdamW8bit on the device, kvram.Model(accumulation_steps), a Checkpoint on every "
+                 "block, efficient_attention, lean_activations, fused_cross_entropy",
 }
+_ACCUMULATING = ("kvram_offload", "kvram_gpu")
 
 
 def _shape(args, depth) -> dict:
@@ -73,8 +79,8 @@ def child(name, depth, args):
     from benchmarks.common import timed_fit
     from kvram import remat
 
-    lean = name in ("kvram_state", "kvram_offload")
-    keras.config.set_dtype_policy("bfloat16" if lean else "mixed_bfloat16")
+    lean = name in ("kvram_state", "kvram_offload", "kvram_gpu")
+    keras.config.set_dtype_policy("bfloat16" if name in ("kvram_state", "kvram_offload") else "mixed_bfloat16")
     keras.utils.set_random_seed(0)
     shape = _shape(args, depth)
     backbone = keras_hub.models.LlamaBackbone(**shape)
@@ -87,10 +93,10 @@ def child(name, depth, args):
     chain = remat.segments(model)
     blocks = [any(n.startswith("transformer_layer") for n in s.layers) for s in chain]
     model = remat.rebuild(model, [[i] for i in range(len(chain))], blocks)
-    if name == "kvram_offload":
-        model = kvram.Model(model.input, model.output, host_offload=True, accumulation_steps=args.accumulation,
-                            name=model.name)
-        optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01)  # float32 masters: no rounding
+    if name in _ACCUMULATING:
+        model = kvram.Model(model.input, model.output, host_offload=name == "kvram_offload",
+                            accumulation_steps=args.accumulation, name=model.name)
+        optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01)  # float32 weights or masters
     elif lean:
         model = kvram.Model(model.input, model.output, update_in_backward=True, name=model.name)
         optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01, rounding="stochastic")
@@ -116,7 +122,7 @@ def child(name, depth, args):
                   "peak_gib": timed["peak_gib"][args.device], "final_loss": timed["loss"],
                   "timed_steps": timed["steps"], "wall_s_with_compile": time.perf_counter() - started,
                   "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                  "batches_per_update": args.accumulation if name == "kvram_offload" else 1,
+                  "batches_per_update": args.accumulation if name in _ACCUMULATING else 1,
                   "versions": versions()})
 
 
