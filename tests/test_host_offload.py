@@ -63,6 +63,20 @@ def test_the_host_update_equals_the_one_on_the_device(jit):
         assert master.dtype == "float32" and np.array_equal(weight.numpy(), master.numpy())
 
 
+def test_a_host_offload_passed_to_compile_works_as_the_option_and_without_xla_on_the_host():
+    x, y = _data()
+    with tf.device(DEVICE):
+        plain = _model()
+        plain.compile(_adamw(), "mse")
+        given = _model()  # no host_offload=True: the optimizer says it
+        given.compile(HostOffload(_adamw(), jit_compile=False), "mse")
+        for model in (plain, given):
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert given.jit_compile is False and not given.optimizer.jit_compile
+    for a, b in zip(plain.get_weights(), given.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+
+
 def test_bfloat16_weights_are_the_rounded_float32_masters():
     """Updates of about 1e-3 on weights near 1 are under half a bfloat16 step: kept in the float32
     masters, they add up and move the bfloat16 weights."""
@@ -203,6 +217,12 @@ def test_the_guard_and_the_update_read_host_copies_of_the_gradients():
     checks = [op for op in graph.get_operations() if op.type == "IsFinite"]
     assert len(checks) == len(model.trainable_weights)
     assert all(tf.DeviceSpec.from_string(op.device).device_index == 0 for op in checks), [op.device for op in checks]
+    # the update itself: one XLA computation, called on the host (inside the guard's conditional)
+    library = graph.as_graph_def().library.function
+    compiled = {f.signature.name for f in library if f.attr["_XlaMustCompile"].b}
+    calls = [node.device for f in library for node in f.node_def
+             if "f" in node.attr and node.attr["f"].func.name in compiled]
+    assert calls and all(tf.DeviceSpec.from_string(device).device_index == 0 for device in calls), calls
 
 
 def _blocks_model(**kvram_args):

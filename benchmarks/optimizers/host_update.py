@@ -1,0 +1,71 @@
+"""How fast the host's cores apply an optimizer update: `HostOffload`'s update as TensorFlow CPU ops
+against one XLA computation on the CPU.
+
+For each optimizer (Keras's `AdamW`, kvram's `AdamW8bit`) and each way (`jit_compile` False, True),
+builds `--parameters` float32 parameters in 8 equal variables on CPU:0 with the optimizer's state,
+applies `--updates` updates after 2 untimed ones, and reports ms per update and parameters per
+second. The host's share of a `kvram.Model(host_offload=True)` step is about this per update.
+
+    python benchmarks/optimizers/host_update.py --out benchmarks/results/optimizers_host_update_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from benchmarks.common import result_header, versions, write_result  # noqa: E402
+
+
+def measure(name: str, jit: bool, parameters: int, updates: int) -> dict:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import kvram
+
+    make = {"adamw": lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.01),
+            "adamw8bit": lambda: kvram.optimizers.AdamW8bit(1e-3, weight_decay=0.01)}[name]
+    rng = np.random.default_rng(0)
+    shape = (parameters // 8 // 1024, 1024)
+    with tf.device("CPU:0"):
+        variables = [keras.Variable(rng.normal(size=shape).astype("float32")) for _ in range(8)]
+        gradients = [tf.constant(rng.normal(size=shape).astype("float32") * 1e-3) for _ in range(8)]
+        optimizer = make()
+        optimizer.build(variables)
+        step = tf.function(lambda g: optimizer.apply(g, variables), jit_compile=jit)
+        for _ in range(2):
+            step(gradients)
+        variables[0].numpy()
+        started = time.perf_counter()
+        for _ in range(updates):
+            step(gradients)
+        variables[0].numpy()  # waits for the last update
+        seconds = (time.perf_counter() - started) / updates
+    return {"optimizer": name, "jit_compile": jit, "parameters": 8 * shape[0] * shape[1],
+            "ms_per_update": 1e3 * seconds, "parameters_per_s": 8 * shape[0] * shape[1] / seconds}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parameters", type=int, default=2**24)
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    runs = []
+    for name in ("adamw", "adamw8bit"):
+        for jit in (False, True):
+            run = measure(name, jit, args.parameters, args.updates)
+            runs.append(run)
+            print(f"{name:10} jit_compile={str(jit):5} {run['ms_per_update']:8.1f} ms per update of "
+                  f"{run['parameters'] / 1e6:.1f}M parameters ({run['parameters_per_s'] / 1e6:.0f}M/s)", flush=True)
+    write_result(args.out, {**result_header("optimizers-host-update", __file__), "cpu_cores": os.cpu_count(),
+                            "settings": vars(args), "runs": runs, "versions": versions()})
+
+
+if __name__ == "__main__":
+    main()
