@@ -70,9 +70,12 @@ def _encode_magnitude(a, signed: bool):
         return tf.where(a < 0.5 * float(magnitudes(True)[1]), 0, code)
     bins = _bins()
     decade = tf.clip_by_value(tf.floor(tf.math.log(tf.maximum(a, 1e-30)) / np.log(10.0)) + DECADES, 0, DECADES - 1)
-    n = tf.pow(2.0, decade + 1.0)  # the decade's bins
+    # per decade from small tables, not tf.pow: on the CPU, XLA's pow of a float exponent made
+    # quantizing 16.8M second moments take 95 ms of a 155 ms host update
+    decade = tf.cast(decade, tf.int32)
+    n = tf.gather(tf.constant(bins, tf.float32), decade)  # the decade's bins
     offset = n - 2.0  # the codes of the decades below: the sum of 2**(k+1)
-    within = a / tf.pow(10.0, decade - DECADES + 1)  # in [0.1, 1) for a inside the decade
+    within = a / tf.gather(tf.constant([10.0 ** (d - DECADES + 1) for d in range(DECADES)], tf.float32), decade)
     position = tf.clip_by_value(tf.floor((within - 0.1) / 0.9 * n), 0.0, n - 1.0)
     code = tf.cast(offset + position, tf.int32) + 1
     code = tf.where(a < 10.0 ** -DECADES, 0, code)
