@@ -108,10 +108,11 @@ class HostOffload(keras.optimizers.Optimizer):
         self._updates = {}
 
     def required_host_bytes(self, var_list) -> tuple[int, bool]:
-        """(bytes the host needs for `var_list`'s masters and state, whether known exactly)."""
+        """(bytes the host needs for `var_list`: float32 masters, the optimizer's state and one
+        step's float32 gradient copies; whether the state is known exactly)."""
         shapes = [tuple(v.shape) for v in var_list]
         state, exact = _state_bytes(self.inner_optimizer, shapes)
-        return 4 * sum(int(np.prod(s)) for s in shapes) + state, exact
+        return 8 * sum(int(np.prod(s)) for s in shapes) + state, exact
 
     def _check_host(self, var_list) -> None:
         need, exact = self.required_host_bytes(var_list)
@@ -119,13 +120,15 @@ class HostOffload(keras.optimizers.Optimizer):
         if free is None or need <= free:
             return
         how = "" if exact else (
-            f" ({type(self.inner_optimizer).__name__}'s state counted as Adam's {_ASSUMED} bytes per parameter)")
+            f", counted as Adam's {_ASSUMED} bytes per parameter")
         parameters = sum(int(np.prod(v.shape)) for v in var_list)
+        name = type(self.inner_optimizer).__name__
         raise MemoryError(
             f"HostOffload needs {_gib(need)} of host memory for {parameters:,} parameters: float32 master weights "
-            f"({_gib(4 * parameters)}) and {type(self.inner_optimizer).__name__}'s state{how}; the host has "
-            f"{_gib(free)} free (MemAvailable). Nothing was allocated. Free host memory, use a smaller state "
-            "(kvram.optimizers.AdamW8bit: 2 bytes per parameter), or train fewer weights.")
+            f"({_gib(4 * parameters)}), a step's float32 gradients ({_gib(4 * parameters)}) and {name}'s state "
+            f"({_gib(need - 8 * parameters)}{how}); the host has {_gib(free)} free (MemAvailable). Nothing was "
+            "allocated. Free host memory, use a smaller state (kvram.optimizers.AdamW8bit: about 2 bytes per "
+            "parameter), or train fewer weights.")
 
     @keras.src.utils.tracking.no_automatic_dependency_tracking
     def build(self, var_list):
