@@ -94,6 +94,8 @@ def test_bfloat16_weights_are_the_rounded_float32_masters():
     assert np.array_equal(weight.numpy(), tf.cast(master, tf.bfloat16).numpy())
     assert history[-1] < 0.1 * history[0], history
     assert np.abs(master.numpy() - 1.05).mean() < 0.01
+    # the host holds 4-byte masters, 2-byte gradient copies and AdamW's 8 bytes per parameter
+    assert model.optimizer.required_host_bytes(model.trainable_weights)[0] == (4 + 2 + 8) * 16
 
 
 def test_a_nonfinite_step_changes_neither_weights_nor_host_state():
@@ -163,7 +165,7 @@ def test_the_bytes_counted_before_build_are_those_build_allocates(inner):
     optimizer.build(model.trainable_variables)
     allocated = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in optimizer.variables
                     if len(v.shape))
-    gradients = 4 * model.count_params()  # a step's float32 copies, not variables
+    gradients = 4 * model.count_params()  # a step's copies (float32 weights here), not variables
     assert exact and need == allocated + gradients
 
 
@@ -175,10 +177,10 @@ def test_a_host_too_small_is_refused_with_the_numbers_before_anything_is_allocat
     parameters = model.count_params()
     with pytest.raises(MemoryError, match=rf"needs 0\.00 GiB .* {parameters:,} parameters.*has 0\.00 GiB free") as e:
         model.fit(x, y, verbose=0)
-    assert "a step's float32 gradients (0.00 GiB) and Adam's state (0.00 GiB)" in str(e.value)
+    assert "a step's gradients (0.00 GiB) and Adam's state (0.00 GiB)" in str(e.value)
     assert not model.optimizer.built and model.optimizer.masters == []
     need, _ = model.optimizer.required_host_bytes(model.trainable_variables)
-    assert need == 16 * parameters  # float32 masters, gradient copies and Adam's two moments
+    assert need == 16 * parameters  # float32 masters, float32 gradient copies and Adam's two moments
 
 
 def test_an_optimizer_it_does_not_know_is_counted_as_adam_and_the_message_says_so(monkeypatch):

@@ -109,10 +109,11 @@ class HostOffload(keras.optimizers.Optimizer):
 
     def required_host_bytes(self, var_list) -> tuple[int, bool]:
         """(bytes the host needs for `var_list`: float32 masters, the optimizer's state and one
-        step's float32 gradient copies; whether the state is known exactly)."""
+        step's gradient copies, in the weights' dtype; whether the state is known exactly)."""
         shapes = [tuple(v.shape) for v in var_list]
         state, exact = _state_bytes(self.inner_optimizer, shapes)
-        return 8 * sum(int(np.prod(s)) for s in shapes) + state, exact
+        copies = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in var_list)
+        return 4 * sum(int(np.prod(s)) for s in shapes) + copies + state, exact
 
     def _check_host(self, var_list) -> None:
         need, exact = self.required_host_bytes(var_list)
@@ -122,11 +123,12 @@ class HostOffload(keras.optimizers.Optimizer):
         how = "" if exact else (
             f", counted as Adam's {_ASSUMED} bytes per parameter")
         parameters = sum(int(np.prod(v.shape)) for v in var_list)
+        copies = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in var_list)
         name = type(self.inner_optimizer).__name__
         raise MemoryError(
             f"HostOffload needs {_gib(need)} of host memory for {parameters:,} parameters: float32 master weights "
-            f"({_gib(4 * parameters)}), a step's float32 gradients ({_gib(4 * parameters)}) and {name}'s state "
-            f"({_gib(need - 8 * parameters)}{how}); the host has {_gib(free)} free (MemAvailable). Nothing was "
+            f"({_gib(4 * parameters)}), a step's gradients ({_gib(copies)}) and {name}'s state "
+            f"({_gib(need - 4 * parameters - copies)}{how}); the host has {_gib(free)} free (MemAvailable). Nothing was "
             "allocated. Free host memory, use a smaller state (kvram.optimizers.AdamW8bit: about 2 bytes per "
             "parameter), or train fewer weights.")
 
@@ -169,7 +171,7 @@ class HostOffload(keras.optimizers.Optimizer):
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         masters = [self._master_of[self._var_key(v)] for _, v in pairs]
         with tf.device(self.host):
-            host_grads = [_to_float32(g) for g, _ in pairs]
+            host_grads = [_copy(g) for g, _ in pairs]
             values = self._host_update(masters, tuple(v.dtype for _, v in pairs))(host_grads)
         for (_, variable), value in zip(pairs, values):
             variable.assign(value)  # cast on the host: a bfloat16 weight crosses as 2 bytes per value
@@ -181,7 +183,7 @@ class HostOffload(keras.optimizers.Optimizer):
         function = self._updates.get(key)
         if function is None:
             def function(grads):
-                self.inner_optimizer.apply(grads, masters)
+                self.inner_optimizer.apply([_float32(g) for g in grads], masters)
                 return [tf.cast(m, dtype) for m, dtype in zip(masters, dtypes)]
 
             if self.jit_compile:
@@ -190,11 +192,11 @@ class HostOffload(keras.optimizers.Optimizer):
         return function
 
     def to_host(self, grads) -> list:
-        """`grads` copied to the host (each in its own dtype, then float32 there). A step that
+        """`grads` copied to the host, each in its own dtype (`apply` computes in float32). A step that
         calls this as soon as its gradients are made lets each device gradient go once copied:
         what then needs every gradient (the non-finite guard, clipping, `apply`) reads the copies."""
         with tf.device(self.host):
-            return [None if g is None else _to_float32(g) for g in grads]
+            return [None if g is None else _copy(g) for g in grads]
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError("HostOffload runs on the TensorFlow backend's stateful apply only.")
@@ -253,10 +255,14 @@ def _scalars_to_host(optimizer, host) -> None:
         setattr(optimizer, attribute, new)
 
 
-def _to_float32(gradient):
-    """`gradient` as float32, computed where the caller's device scope says. An op on every path
-    (tf.cast alone makes none for a float32 tensor), so that the copy does happen there."""
+def _copy(gradient):
+    """`gradient` where the caller's device scope says: an identity, so that the copy is made there."""
     if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.identity(tf.cast(gradient.values, tf.float32)), tf.identity(gradient.indices),
-                                gradient.dense_shape)
-    return tf.identity(tf.cast(gradient, tf.float32))
+        return tf.IndexedSlices(tf.identity(gradient.values), tf.identity(gradient.indices), gradient.dense_shape)
+    return tf.identity(gradient)
+
+
+def _float32(gradient):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(gradient.values, tf.float32), gradient.indices, gradient.dense_shape)
+    return tf.cast(gradient, tf.float32)
