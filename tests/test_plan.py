@@ -125,6 +125,10 @@ def test_estimate_with_nothing_that_fits():
     # (most of this small model's variables are under AdamW8bit's 4096 values: float32 moments)
     assert 0 < state["optimizer_8bit"] <= state["optimizer"], state
     assert "float32 with 8-bit moments (--optimizer adamw8bit" in str(found) and "still does not fit" in str(found)
+    # host_offload: the state leaves the device, and the host's update time is measured here
+    assert state["masters"] == 4 * sum(int(np.prod(v.shape)) for v in small_model().trainable_variables)
+    assert state["host_update_parameters_per_s"] > 0
+    assert "with kvram.Model(host_offload=True)" in str(found) and "s per update beside the copies" in str(found)
     # the variables alone are over 100 kB: no step is checked, each row says so
     messages = [message for _, message in found.log]
     assert not any("checked" in m and "not checked" not in m for m in messages), messages
@@ -1187,8 +1191,11 @@ def test_where_nothing_fits_the_table_says_whether_8_bit_moments_would():
     assert "host_offload" not in str(found)
     report["state"]["float32"]["masters"] = 2**19
     assert "with kvram.Model(host_offload=True): the optimizer state (1.0 MiB) moves to host memory, beside " \
-        "0.5 MiB of float32 master weights; the least-memory row would take 0.0 MiB and fits" \
-        in str(remat.Estimate.from_json(report)), str(remat.Estimate.from_json(report))
+        "0.5 MiB of float32 master weights; the least-memory row would take 0.0 MiB and fits (predicted, not " \
+        "checked; the host update's time is not predicted)" in str(remat.Estimate.from_json(report))
+    report["state"]["float32"]["host_update_parameters_per_s"] = 2**17 * 10  # 2**17 parameters: 0.1 s
+    assert "fits (predicted, not checked; the host's update of 131,072 parameters, measured on this host at 1M " \
+        "parameters/s, adds 0.10 s per update beside the copies)" in str(remat.Estimate.from_json(report))
     report["configurations"][1]["predicted_peak_bytes"] = 3 * 2**20
     assert "would take 2.2 MiB and still does not fit" in str(remat.Estimate.from_json(report))
     assert "would take 2.0 MiB and still does not fit (predicted, not checked; the host" \

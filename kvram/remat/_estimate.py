@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from kvram import memory
+from kvram.optimizers import _host
 from kvram.remat import _check as checking
 from kvram.remat import _plan
 from kvram._plan_process import CheckStore
@@ -214,11 +215,15 @@ class Estimate:
                              "not checked)")
             if st.get("optimizer") and "masters" in st:
                 verdict = "fits" if least - st["optimizer"] <= limit else "still does not fit"
+                rate = st.get("host_update_parameters_per_s")
+                parameters = st["masters"] // 4
+                took = (f"; the host's update of {parameters:,} parameters, measured on this host at "
+                        f"{rate / 1e6:.0f}M parameters/s, adds {parameters / rate:.2f} s per update beside the copies"
+                        if rate else "; the host update's time is not predicted")
                 lines.append(f"{precision} with kvram.Model(host_offload=True): the optimizer state "
                              f"({_size(st['optimizer'])}) moves to host memory, beside "
                              f"{_size(st['masters'])} of float32 master weights; the least-memory row would take "
-                             f"{_size(least - st['optimizer'])} and {verdict} (predicted, not checked; the host "
-                             "update's time is not predicted)")
+                             f"{_size(least - st['optimizer'])} and {verdict} (predicted, not checked{took})")
             if st.get("gradients"):
                 verdict = ("still does not fit" if least - st["gradients"] > limit
                            else "might fit: train to see")
@@ -368,6 +373,11 @@ def estimate(
             keras.config.set_dtype_policy(previous)
     for c in configurations:
         c.__dict__.pop("_planning", None)
+    if recommended is None and any(st.get("optimizer") for st in states.values()):
+        # what host_offload's update would cost here: measured on this host's cores
+        rate = _host.update_rate(_plan.optimizer_from(optimizer if optimizer is not None else "adam"))
+        for st in states.values():
+            st["host_update_parameters_per_s"] = rate
     log("done" + (f": recommended {recommended.precision}, micro-batch "
                   f"{recommended.micro_batch_size or '-'}, remat {recommended.remat}" if recommended else
                   ": nothing fits"))
