@@ -228,25 +228,27 @@ def test_the_guard_and_the_update_read_host_copies_of_the_gradients():
     assert calls and all(tf.DeviceSpec.from_string(device).device_index == 0 for device in calls), calls
 
 
-def _blocks_model(**kvram_args):
+def _blocks_model(policy="full", **kvram_args):
     keras.utils.set_random_seed(0)
     with tf.device(DEVICE):
         inputs = keras.Input((12,))
         hidden = keras.layers.Dense(32)(inputs)
         for _ in range(3):
             hidden = kvram.layers.Checkpoint(keras.Sequential([
-                keras.layers.Dense(32, activation="relu"), keras.layers.Dropout(0.1), keras.layers.Dense(32)]))(hidden)
+                keras.layers.Dense(32, activation="relu"), keras.layers.Dropout(0.1), keras.layers.Dense(32)]),
+                policy=policy)(hidden)
         return kvram.Model(inputs, keras.layers.Dense(3)(hidden), **kvram_args)
 
 
-def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does():
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does(policy):
     """Under host_offload with XLA, each Checkpoint block is its own XLA computation (forward, and
     recomputation with backward), so its gradients are made, and go to the host, block by block."""
     x, y = _data()
     with tf.device(DEVICE):
-        whole = _blocks_model()
+        whole = _blocks_model(policy)
         whole.compile(_adamw(), "mse", jit_compile=True)  # one XLA computation per step
-        blocks = _blocks_model(host_offload=True)
+        blocks = _blocks_model(policy, host_offload=True)
         blocks.compile(_adamw(), "mse", jit_compile=True)
         for model in (whole, blocks):
             keras.utils.set_random_seed(5)  # the same dropout masks
