@@ -46,6 +46,14 @@ def test_a_non_negative_round_trip_errs_by_at_most_half_a_bin():
     assert np.all(y[inside] > 0)
 
 
+def test_quantizing_non_finite_values_runs():
+    """A skipped step's moments may be NaN/Inf (they are then not kept): quantizing them must not
+    fail (a NaN decade index once did, outside XLA)."""
+    for signed in (True, False):
+        codes, scales = _blockwise.quantize(tf.constant([np.nan, 1.0, np.inf] + [0.5] * 61), 64, signed)
+        assert codes.shape == (1, 64) and scales.shape == (1,)
+
+
 def test_the_maps_use_every_code():
     for signed, size in ((True, 128), (False, 256)):
         mags = _blockwise.magnitudes(signed)

@@ -72,7 +72,7 @@ def _encode_magnitude(a, signed: bool):
     decade = tf.clip_by_value(tf.floor(tf.math.log(tf.maximum(a, 1e-30)) / np.log(10.0)) + DECADES, 0, DECADES - 1)
     # per decade from small tables, not tf.pow: on the CPU, XLA's pow of a float exponent made
     # quantizing 16.8M second moments take 95 ms of a 155 ms host update
-    decade = tf.cast(decade, tf.int32)
+    decade = tf.clip_by_value(tf.cast(decade, tf.int32), 0, DECADES - 1)  # NaN casts to INT_MIN: a valid index
     n = tf.gather(tf.constant(bins, tf.float32), decade)  # the decade's bins
     offset = n - 2.0  # the codes of the decades below: the sum of 2**(k+1)
     within = a / tf.gather(tf.constant([10.0 ** (d - DECADES + 1) for d in range(DECADES)], tf.float32), decade)
