@@ -124,11 +124,13 @@ class Model(keras.Model):
             master copy of every weight in host memory and computes the update
             on the host's cores; the device holds the model's weights (bfloat16
             ones under a "bfloat16" policy) and one step's gradients, which go
-            to the host in their own dtype. The step then runs in TensorFlow's
-            executor, each forward and backward pass compiled with XLA as
-            `jit_compile` says. Accumulation (summed on the host in float32),
-            clipping and the non-finite guard work as without it; not with
-            `update_in_backward` or several replicas.
+            to the host in their own dtype as they are made. The step then runs
+            in TensorFlow's executor; with `jit_compile`, each
+            `kvram.layers.Checkpoint` block is its own XLA computation (so a
+            block's gradients leave while the next block's backward pass runs),
+            a model without blocks one. Accumulation (summed on the host in
+            float32), clipping and the non-finite guard work as without it; not
+            with `update_in_backward` or several replicas.
         clip_global_norm: None or float > 0, maximum global gradient norm.
         skip_nonfinite: bool, skip steps with NaN/Inf gradients.
         max_consecutive_skips: None (no limit) or int >= 1, skipped steps in a
