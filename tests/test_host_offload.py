@@ -63,6 +63,19 @@ def test_the_host_update_equals_the_one_on_the_device(jit):
         assert master.dtype == "float32" and np.array_equal(weight.numpy(), master.numpy())
 
 
+def test_micro_batches_sum_on_the_device_and_update_on_the_host_as_without_offload():
+    x, y = _data()
+    with tf.device(DEVICE):
+        plain = _model(micro_batch_size=8)
+        plain.compile(_adamw(), "mse")
+        offloaded = _model(micro_batch_size=8, host_offload=True)
+        offloaded.compile(_adamw(), "mse")
+        for model in (plain, offloaded):
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), offloaded.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+
+
 def test_a_host_offload_passed_to_compile_works_as_the_option_and_without_xla_on_the_host():
     x, y = _data()
     with tf.device(DEVICE):
