@@ -70,15 +70,23 @@ def _worker() -> bool:
     return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
+_MADE_LOCKS = []  # the folder this process made (pytest-xdist's controller), which it removes
+
+
 def pytest_configure(config):
     if not _worker() and getattr(config.option, "numprocesses", None):
         # the workers start after this and inherit the environment
         os.environ[_LOCKS] = tempfile.mkdtemp(prefix="kvram-tests-")
+        _MADE_LOCKS.append(os.environ[_LOCKS])
 
 
 def pytest_unconfigure(config):
-    if not _worker() and os.environ.get(_LOCKS):
-        shutil.rmtree(os.environ.pop(_LOCKS), ignore_errors=True)
+    # Only the process that made it: an own_process child of a worker inherits the variable
+    # (and is no worker itself), and removed the folder under the workers once.
+    for folder in _MADE_LOCKS:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(_LOCKS, None)
+    _MADE_LOCKS.clear()
 
 
 @pytest.fixture(autouse=True)
