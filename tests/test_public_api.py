@@ -21,7 +21,7 @@ DOCUMENTED = {
     "kvram.precision": ["enable", "current_policy", "auto_policy", "loss_scale", "check_model_policy"],
     "kvram.speed": ["efficient_attention", "fuse_batch_norm", "fused_cross_entropy", "lean_activations",
                     "pin_host_memory", "host_memory_pinned", "tensordot_einsum"],
-    "kvram.optimizers": ["AdamW8bit", "HostOffload"],
+    "kvram.optimizers": ["AdamW8bit", "HostOffload", "ShardedState"],
     "kvram.cli": ["main"],
 }
 

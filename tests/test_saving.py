@@ -119,6 +119,14 @@ def _host_offload():
     return model, x
 
 
+def _sharded_state():
+    inputs, x = _dense_input()
+    model = kvram.Model(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer=kvram.optimizers.ShardedState(keras.optimizers.AdamW()), loss="mse")
+    model.fit(x, np.zeros((len(x), 3), "float32"), verbose=0)  # one device: its shard is the whole
+    return model, x
+
+
 # How to build a model holding each kvram class (`kvram.Model` itself: its functional form).
 BUILDERS = {
     "Checkpoint": _checkpoint,
@@ -130,6 +138,7 @@ BUILDERS = {
     "PipelineModel": _pipeline,
     "AdamW8bit": _adamw8bit,
     "HostOffload": _host_offload,
+    "ShardedState": _sharded_state,
 }
 # How to build a model using each kvram function (`lean_gelu` by `lean_activations`).
 FUNCTION_BUILDERS = {"kvram>lean_gelu": _lean, "kvram>lean_gelu_approximate": _lean_gelu_approximate,
@@ -197,6 +206,7 @@ def test_every_kvram_class_and_function_loads_in_a_process_that_imports_only_kvr
     assert loaded["FunctionalModel"].startswith("FunctionalModel")
     assert loaded["AdamW8bit"].split()[1] == "AdamW8bit"
     assert loaded["HostOffload"].split()[1] == "HostOffload"
+    assert loaded["ShardedState"].split()[1] == "ShardedState"
 
 
 def test_a_registered_subclass_of_kvram_model_built_functionally_loads_as_itself(tmp_path):

@@ -59,7 +59,9 @@ class AdamW8bit(keras.optimizers.AdamW):
         self.rounding = rounding
 
     def _quantized(self, variable) -> bool:
-        return int(np.prod(variable.shape)) >= self.min_8bit_size
+        # a chunk of a weight (ShardedState) is quantized as the whole weight is
+        size = getattr(self, "_whole_sizes", {}).get(self._var_key(variable), int(np.prod(variable.shape)))
+        return size >= self.min_8bit_size
 
     def state_bytes(self, shape, dtype="float32") -> int:
         """Bytes of state `build` creates for one weight of `shape` (its moments, and a Kahan

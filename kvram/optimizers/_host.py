@@ -8,7 +8,8 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.saving import serialization_lib
+
+from kvram.optimizers._wrapper import Wrapper
 
 # Optimizer state per parameter, in bytes, for Keras's optimizers (their `build`); kvram's
 # AdamW8bit counts its own (`_state_bytes`). Used to refuse a host too small before anything
@@ -59,7 +60,7 @@ def _state_bytes(optimizer, shapes) -> tuple[int, bool]:
 
 
 @keras.saving.register_keras_serializable(package="kvram")
-class HostOffload(keras.optimizers.Optimizer):
+class HostOffload(Wrapper, keras.optimizers.Optimizer):
     """Runs `inner_optimizer` on the host: its state, and a float32 master copy of every weight,
     live in host memory; the device keeps only the model's own weights (bfloat16 ones under a
     "bfloat16" dtype policy, so no float32 copy of a weight is on the device at all).
@@ -102,8 +103,7 @@ class HostOffload(keras.optimizers.Optimizer):
                 tf.DeviceSpec.from_string(d.name).device_index == (spec.device_index or 0) for d in cpus):
             raise ValueError(f"host must name one of this machine's CPUs. Received: host={host!r}. "
                              f"Allowed: {', '.join(d.name for d in cpus)}")
-        super().__init__(learning_rate=0.0, name=name or "host_offload")
-        self.inner_optimizer = inner_optimizer
+        super().__init__(inner_optimizer, name=name or "host_offload")
         self.host = host
         self.jit_compile = bool(jit_compile)
         self.masters = []
@@ -200,18 +200,6 @@ class HostOffload(keras.optimizers.Optimizer):
         with tf.device(self.host):
             return [None if g is None else _copy(g) for g in grads]
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise NotImplementedError("HostOffload runs on the TensorFlow backend's stateful apply only.")
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        if hasattr(self, "inner_optimizer"):
-            self.inner_optimizer.learning_rate = learning_rate
-
     @property
     def iterations(self):
         return self.inner_optimizer.iterations
@@ -225,15 +213,7 @@ class HostOffload(keras.optimizers.Optimizer):
             variable.assign(tf.cast(master, variable.dtype))
 
     def get_config(self):
-        return {"name": self.name, "host": self.host, "jit_compile": self.jit_compile,
-                "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer)}
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        inner = serialization_lib.deserialize_keras_object(config.pop("inner_optimizer"),
-                                                           custom_objects=custom_objects)
-        return cls(inner, **config)
+        return {**super().get_config(), "host": self.host, "jit_compile": self.jit_compile}
 
 
 def _scalars_to_host(optimizer, host) -> None:
