@@ -127,3 +127,14 @@ def test_each_replica_compiled_alone_shards_with_collectives(mirrored, monkeypat
     graph = model.train_function._fused(None, batch).get_concrete_function(batch).graph
     ops = {op.type for f in graph._functions.values() for op in f.graph.get_operations()}
     assert "CollectiveReduceV2" in ops, sorted(ops)  # summed and gathered without merge_call
+
+
+def test_kvram_models_accumulation_is_refused_before_anything_is_built():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    model = kvram.Model(inputs, keras.layers.Dense(3)(inputs), accumulation_steps=2)
+    model.compile(optimizer=ShardedState(keras.optimizers.AdamW()), loss="mse")
+    x, y = _data(16)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 \(kvram.Model's accumulation_steps"):
+        model.fit(x, y, verbose=0)
+    assert not model.optimizer.built

@@ -34,6 +34,19 @@ def _replicas() -> list:
         return [tf.config.list_logical_devices()[0].name]
 
 
+def _refuse(inner) -> None:
+    """What a replica's update of its chunks alone cannot do."""
+    given = [f"{k}={getattr(inner, k)!r}" for k, off in (("clipnorm", None), ("clipvalue", None), ("use_ema", False))
+             if getattr(inner, k) != off]
+    if (inner.gradient_accumulation_steps or 1) > 1:
+        given.append(f"gradient_accumulation_steps={inner.gradient_accumulation_steps} (kvram.Model's "
+                     "accumulation_steps sets it)")
+    if given:
+        raise ValueError(f"ShardedState cannot shard an optimizer with {', '.join(given)}: each replica updates "
+                         "its chunks alone. Allowed: global_clipnorm (the summed gradient is clipped whole), and "
+                         "micro_batch_size to train a larger batch.")
+
+
 @keras.saving.register_keras_serializable(package="kvram")
 class ShardedState(Wrapper, keras.optimizers.Optimizer):
     """Splits `inner_optimizer`'s state, and a float32 master copy of the weights, across the N
@@ -66,18 +79,13 @@ class ShardedState(Wrapper, keras.optimizers.Optimizer):
         if isinstance(inner, (ShardedState, HostOffload, keras.optimizers.LossScaleOptimizer)):
             raise ValueError(f"ShardedState wraps the optimizer that computes the update, not a {type(inner).__name__}. "
                              "Allowed: ShardedState(keras.optimizers.AdamW(...)).")
-        given = [f"{k}={getattr(inner, k)!r}" for k, off in (("clipnorm", None), ("clipvalue", None), ("use_ema", False))
-                 if getattr(inner, k) != off]
-        if (inner.gradient_accumulation_steps or 1) > 1:
-            given.append(f"gradient_accumulation_steps={inner.gradient_accumulation_steps}")
-        if given:
-            raise ValueError(f"ShardedState cannot shard an optimizer with {', '.join(given)}: each replica sees "
-                             "its chunks only. Allowed: global_clipnorm (the summed gradient is clipped whole).")
+        _refuse(inner)
         super().__init__(inner, name=name or "sharded_state")
         self._shards = []  # per replica: (its inner optimizer, its masters' chunks)
 
     @keras.src.utils.tracking.no_automatic_dependency_tracking
     def build(self, var_list):
+        _refuse(self.inner_optimizer)  # again: kvram.Model(accumulation_steps=...) sets it after __init__
         devices = _replicas()
         count = len(devices)
         self._sizes = [int(np.prod(v.shape)) for v in var_list]
