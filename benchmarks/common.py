@@ -79,9 +79,20 @@ def commit() -> str | None:
     return out.stdout.strip() or None
 
 
+_STARTED = {}
+
+
+def started_commit() -> str | None:
+    """The commit when this run started (first asked at import): a result written after a long
+    run names the code that ran, not a HEAD that moved meanwhile."""
+    if "commit" not in _STARTED:
+        _STARTED["commit"] = commit()
+    return _STARTED["commit"]
+
+
 def result_header(benchmark: str, script: str) -> dict:
     """The fields every result file starts with: what ran, when, at which commit, and the command."""
-    return {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "commit": commit(),
+    return {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "commit": started_commit(),
             "command": "python " + " ".join([os.path.relpath(script, ROOT), *sys.argv[1:]])}
 
 
@@ -295,3 +306,6 @@ def _without_values(argv, names) -> list:
             continue
         kept.append(item)
     return kept
+
+
+started_commit()  # at import, as the run starts
