@@ -253,7 +253,7 @@ def _blocks_model(policy="full", **kvram_args):
         return kvram.Model(inputs, keras.layers.Dense(3)(hidden), **kvram_args)
 
 
-@pytest.mark.parametrize("policy", ["full", "save_dots"])
+@pytest.mark.parametrize("policy", ["full", pytest.param("save_dots", marks=pytest.mark.slow)])  # 11 s each
 def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does(policy):
     """Under host_offload with XLA, each Checkpoint block is its own XLA computation (forward, and
     recomputation with backward), so its gradients are made, and go to the host, block by block."""
