@@ -253,7 +253,8 @@ def _blocks_model(policy="full", **kvram_args):
         return kvram.Model(inputs, keras.layers.Dense(3)(hidden), **kvram_args)
 
 
-@pytest.mark.parametrize("policy", ["full", pytest.param("save_dots", marks=pytest.mark.slow)])  # 11 s each
+@pytest.mark.slow  # XLA compiles per block: 6-11 s each on 2 cores
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
 def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does(policy):
     """Under host_offload with XLA, each Checkpoint block is its own XLA computation (forward, and
     recomputation with backward), so its gradients are made, and go to the host, block by block."""
@@ -274,6 +275,7 @@ def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does
     assert sum("backward" in name for name in compiled) == 3, compiled  # one per block
 
 
+@pytest.mark.slow  # three fits
 def test_a_fit_interrupted_mid_epoch_resumes_from_its_backup_with_the_host_state(tmp_path):
     """keras.callbacks.BackupAndRestore keeps the masters and the host's optimizer state with the
     weights: a fit killed in its third epoch, run again, ends where an uninterrupted fit ends."""

@@ -30,8 +30,8 @@ def _adamw():
     return optimizer
 
 
-@pytest.mark.parametrize("inner", [_adamw, lambda: AdamW8bit(1e-2, min_8bit_size=64, block_size=64)],
-                         ids=["adamw", "adamw8bit"])
+@pytest.mark.parametrize("inner", [_adamw, pytest.param(lambda: AdamW8bit(1e-2, min_8bit_size=64, block_size=64),
+                                                         marks=pytest.mark.slow)], ids=["adamw", "adamw8bit"])
 def test_two_replicas_train_as_one_device_on_half_the_state_each(inner, mirrored):
     x, y = _data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
@@ -70,6 +70,7 @@ def test_a_nonfinite_replica_skips_the_step_and_every_shard_stays(mirrored):
     assert model.skipped_steps == 1
 
 
+@pytest.mark.slow  # two models trained and restored
 def test_shards_are_saved_and_restored_bit_for_bit(mirrored, tmp_path):
     x, y = _data()
     with mirrored.scope():
