@@ -139,3 +139,15 @@ def test_kvram_models_accumulation_is_refused_before_anything_is_built():
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 \(kvram.Model's accumulation_steps"):
         model.fit(x, y, verbose=0)
     assert not model.optimizer.built
+
+
+def test_under_mixed_float16_a_loss_scale_optimizer_wraps_it_on_two_replicas(mirrored):
+    keras.config.set_dtype_policy("mixed_float16")  # (conftest puts float32 back)
+    x, y = _data()
+    with mirrored.scope():
+        model = _make(ShardedState(keras.optimizers.AdamW(1e-2)))
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    history = model.fit(x, y, batch_size=16, epochs=4, verbose=0, shuffle=False).history["loss"]
+    assert np.isfinite(history[-1]) and history[-1] < history[0], history
+    copies = [v.value.values for v in model.trainable_weights]  # the replicas' copies stay equal
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in copies)
