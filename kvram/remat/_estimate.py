@@ -57,6 +57,10 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
 def parse_bytes(text) -> int:
     """'48GB' -> 48e9, '16GiB' -> 16 * 2**30, '1024' -> 1024 bytes."""
     raw = str(text).strip().upper().replace(" ", "")
@@ -218,7 +222,7 @@ class Estimate:
                 rate = st.get("host_update_parameters_per_s")
                 parameters = st["masters"] // 4
                 took = (f"; the host's update of {parameters:,} parameters, measured on this host at "
-                        f"{rate / 1e6:.0f}M parameters/s, adds {parameters / rate:.2f} s per update beside the copies"
+                        f"{rate / 1e6:.0f}M parameters/s, adds {_duration(parameters / rate)} per update beside the copies"
                         if rate else "; the host update's time is not predicted")
                 lines.append(f"{precision} with kvram.Model(host_offload=True): the optimizer state "
                              f"({_size(st['optimizer'])}) moves to host memory, beside "
