@@ -304,3 +304,25 @@ def test_a_fit_interrupted_mid_epoch_resumes_from_its_backup_with_the_host_state
     for a, b in zip(whole.get_weights() + [v.numpy() for v in whole.optimizer.masters],
                     resumed.get_weights() + [v.numpy() for v in resumed.optimizer.masters]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_embeddings_sparse_gradient_is_updated_on_the_host_as_on_the_device():
+    """An Embedding's gradient is tf.IndexedSlices: copied, cast and applied as such."""
+    ids = np.random.default_rng(0).integers(0, 50, (32, 6)).astype("int32")
+    y = np.random.default_rng(1).normal(size=(32, 1)).astype("float32")
+
+    def model(**kvram_args):
+        keras.utils.set_random_seed(0)
+        with tf.device(DEVICE):
+            inputs = keras.Input((6,), dtype="int32")
+            hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(inputs))
+            built = kvram.Model(inputs, keras.layers.Dense(1)(hidden), **kvram_args)
+            built.compile(_adamw(), "mse")
+        return built
+
+    plain, offloaded = model(), model(host_offload=True)
+    for m in (plain, offloaded):
+        with tf.device(DEVICE):
+            m.fit(ids, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), offloaded.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
