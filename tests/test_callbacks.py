@@ -64,7 +64,7 @@ class CountSamples(keras.layers.Layer):
 
 
 def network(
-    oom=None, eager=False, accumulation_steps=1, micro_batch_size=None, metrics=True, width=16
+    oom=None, eager=False, accumulation_steps=1, micro_batch_size=None, metrics=True, width=16, host_offload=False
 ):
     """Dense net on (features, id); the id only feeds the sample counter.
 
@@ -85,6 +85,7 @@ def network(
         outputs,
         accumulation_steps=accumulation_steps,
         micro_batch_size=micro_batch_size,
+        host_offload=host_offload,
     )
     net.compile(
         optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
@@ -142,6 +143,22 @@ def test_fit_survives_injected_ooms_and_equals_an_uninterrupted_run(accumulation
     kinds = [e.kind for e in controller.events]
     assert kinds == ["start"] + ["oom"] * 6
     assert [e.new for e in controller.events] == [16, 8, 4, 2, 1, 1, 1]
+
+
+@pytest.mark.slow
+def test_out_of_memory_recovery_with_the_optimizer_on_the_host():
+    """AdaptiveBatchSize's recovery under host_offload: the failed passes change no host state, and
+    the run ends where a plain one without failures does."""
+    plain = network(accumulation_steps=2)
+    plain.fit(dataset(), epochs=2, verbose=0)
+    oom = InjectedOOM(rows=5, fail_calls={9, 30})
+    net = network(oom, eager=True, accumulation_steps=2, host_offload=True)
+    controller = AdaptiveBatchSize(verbose=0, device="CPU:0")
+    net.fit(dataset(), epochs=2, verbose=0, callbacks=[controller])
+    assert oom.raised == controller.oom_count > 0
+    assert max_rel_diff(weights(plain), weights(net)) < TOL
+    np.testing.assert_array_equal(seen(net), np.full(N, 2))
+    assert int(net.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy())
 
 
 @pytest.mark.slow
