@@ -206,6 +206,16 @@ def test_an_optimizer_it_does_not_know_is_counted_as_adam_and_the_message_says_s
         HostOffload(Mine()).build(model.trainable_variables)
 
 
+def test_inside_a_whole_step_xla_computation_it_says_what_to_do():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,))
+    model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(HostOffload(keras.optimizers.Adam()), "mse", jit_compile=True)
+    x, y = _data(16)
+    with pytest.raises(ValueError, match=r"cannot sit inside the step's XLA computation .* kvram.Model\(host_offload"):
+        model.fit(x, y, verbose=0)
+
+
 def test_bad_arguments_say_what_was_given_and_what_is_allowed():
     with pytest.raises(ValueError, match="host must name one of this machine's CPUs. Received: host='/GPU:0'"):
         HostOffload(keras.optimizers.Adam(), host="/GPU:0")

@@ -8,6 +8,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 from kvram.optimizers._wrapper import Wrapper
 
@@ -72,7 +73,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     master back cast to its weight's dtype. The update runs as TensorFlow CPU kernels on the host's
     cores, so the step holding it cannot be one XLA computation: `kvram.Model(host_offload=True)`
     compiles each forward and backward pass with XLA and leaves the update to TensorFlow's
-    executor. A plain `keras.Model` must be compiled with `jit_compile=False` to use it.
+    executor. A plain `keras.Model` must be compiled with `jit_compile=False` to use it (inside an XLA
+    computation `apply` refuses, saying so).
 
     `build` refuses, before it allocates anything, a host whose free memory (Linux's
     MemAvailable) is smaller than the masters and the state, with both numbers. The masters and
@@ -166,6 +168,11 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                 self.build(trainable_variables)
             self.built = True
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        if not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            raise ValueError(
+                "HostOffload's update runs on the host, so it cannot sit inside the step's XLA computation "
+                "(jit_compile=True, Keras's default on a GPU). Allowed: kvram.Model(host_offload=True), which "
+                "compiles the forward and backward passes alone, or compile(..., jit_compile=False).")
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
             raise ValueError(f"HostOffload updates one host copy of the weights, so it cannot run over "
