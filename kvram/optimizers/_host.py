@@ -114,25 +114,27 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     def required_host_bytes(self, var_list) -> tuple[int, bool]:
         """(bytes the host needs for `var_list`: float32 masters, the optimizer's state and one
         step's gradient copies, in the weights' dtype; whether the state is known exactly)."""
-        shapes = [tuple(v.shape) for v in var_list]
-        state, exact = _state_bytes(self.inner_optimizer, shapes)
+        masters, copies, state, exact = self._host_parts(var_list)
+        return masters + copies + state, exact
+
+    def _host_parts(self, var_list) -> tuple[int, int, int, bool]:
+        """(masters, gradient copies, state) bytes of `var_list`, and whether the state's is exact."""
+        state, exact = _state_bytes(self.inner_optimizer, [tuple(v.shape) for v in var_list])
+        masters = 4 * sum(int(np.prod(v.shape)) for v in var_list)
         copies = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in var_list)
-        return 4 * sum(int(np.prod(s)) for s in shapes) + copies + state, exact
+        return masters, copies, state, exact
 
     def _check_host(self, var_list) -> None:
-        need, exact = self.required_host_bytes(var_list)
-        free = available_host_bytes()
+        masters, copies, state, exact = self._host_parts(var_list)
+        need, free = masters + copies + state, available_host_bytes()
         if free is None or need <= free:
             return
-        how = "" if exact else (
-            f", counted as Adam's {_ASSUMED} bytes per parameter")
-        parameters = sum(int(np.prod(v.shape)) for v in var_list)
-        copies = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in var_list)
+        how = "" if exact else f", counted as Adam's {_ASSUMED} bytes per parameter"
         name = type(self.inner_optimizer).__name__
         raise MemoryError(
-            f"HostOffload needs {_gib(need)} of host memory for {parameters:,} parameters: float32 master weights "
-            f"({_gib(4 * parameters)}), a step's gradients ({_gib(copies)}) and {name}'s state "
-            f"({_gib(need - 4 * parameters - copies)}{how}); the host has {_gib(free)} free (MemAvailable). Nothing was "
+            f"HostOffload needs {_gib(need)} of host memory for {masters // 4:,} parameters: float32 master weights "
+            f"({_gib(masters)}), a step's gradients ({_gib(copies)}) and {name}'s state "
+            f"({_gib(state)}{how}); the host has {_gib(free)} free (MemAvailable). Nothing was "
             "allocated. Free host memory, use a smaller state (kvram.optimizers.AdamW8bit: about 2 bytes per "
             "parameter), or train fewer weights.")
 
@@ -150,10 +152,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
             inner = self.inner_optimizer
             _scalars_to_host(inner, self.host)
             inner.build(masters)
-        # Weight decay as the inner optimizer decides it for each model weight (by weight or by name).
-        cache = inner.__dict__.setdefault("_exclude_from_weight_decay_cache", {})
-        for variable, master in zip(var_list, masters):
-            cache[inner._var_key(master)] = inner._use_weight_decay(variable)
+        self._decay_as(inner, var_list, masters)
         self.masters = masters
         self._master_of = {self._var_key(v): m for v, m in zip(var_list, masters)}
         super().build(var_list)

@@ -110,9 +110,7 @@ class ShardedState(Wrapper, keras.optimizers.Optimizer):
                                                   name=f"{variable.path.replace('/', '_')}_shard{i}"))
                 inner._whole_sizes = {inner._var_key(m): size for m, size in zip(masters, self._sizes)}
                 inner.build(masters)
-            cache = inner.__dict__.setdefault("_exclude_from_weight_decay_cache", {})
-            for variable, master in zip(var_list, masters):
-                cache[inner._var_key(master)] = self.inner_optimizer._use_weight_decay(variable)
+            self._decay_as(inner, var_list, masters)
             self._shards.append((inner, masters))
         self._index = {self._var_key(v): k for k, v in enumerate(var_list)}
         super().build(var_list)

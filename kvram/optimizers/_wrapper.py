@@ -19,6 +19,13 @@ class Wrapper:
         """Further optimizers that follow the inner one's learning rate (ShardedState's per replica)."""
         return []
 
+    def _decay_as(self, copy, weights, stand_ins) -> None:
+        """`copy` (an optimizer built on `stand_ins`: masters, chunks) decays each stand-in as the
+        inner optimizer decides for its model weight, by weight or by name."""
+        cache = copy.__dict__.setdefault("_exclude_from_weight_decay_cache", {})
+        for weight, stand_in in zip(weights, stand_ins):
+            cache[copy._var_key(stand_in)] = self.inner_optimizer._use_weight_decay(weight)
+
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(f"{type(self).__name__} runs on the TensorFlow backend's stateful apply only.")
 
