@@ -36,6 +36,10 @@ if _plan_process.wanted():  # `kvram plan`'s process that waits on its child: no
 
 _quiet.import_tensorflow_quietly()  # the `kvram` command only; see kvram/_quiet.py
 
+from kvram import _custom_gradient  # noqa: E402
+
+_custom_gradient.install()  # tracing linear in depth: kvram/_custom_gradient.py
+
 from kvram import callbacks, data, layers, memory, optimizers, parallel, precision, remat, speed  # noqa: E402
 from kvram._version import __version__  # noqa: E402
 from kvram.training import Model  # noqa: E402
