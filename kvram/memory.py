@@ -12,6 +12,8 @@ from typing import Iterator
 
 import tensorflow as tf
 
+from kvram._state import mutable_state
+
 __all__ = [
     "peak_bytes",
     "current_bytes",
@@ -86,7 +88,7 @@ def state_kept(*holders) -> Iterator[None]:
     for holder in holders:
         if holder is None:
             continue
-        found = holder.variables if hasattr(holder, "iterations") else holder.non_trainable_variables
+        found = holder.variables if hasattr(holder, "iterations") else mutable_state(holder)
         for variable in found:
             if id(variable) not in seen:
                 seen.add(id(variable))

@@ -10,6 +10,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from kvram._state import mutable_state
 from kvram.layers._order import after
 
 __all__ = ["Checkpoint", "POLICIES"]
@@ -146,7 +147,7 @@ class Checkpoint(keras.layers.Layer):
 
         flat_args = tree.flatten(args)
         tensor_positions = [i for i, a in enumerate(flat_args) if tf.is_tensor(a)]
-        state = list(self.layer.non_trainable_variables)
+        state = mutable_state(self.layer)  # not frozen weights: kvram/_state.py
         snapshot = [tf.identity(v.value) for v in state]
         n_in = len(tensor_positions)
         carries_logits = []

@@ -26,6 +26,7 @@ import dataclasses
 import keras
 from keras import tree
 
+from kvram._state import mutable_state
 from kvram.layers.checkpoint import POLICIES, Checkpoint
 from kvram.training import Model
 
@@ -251,13 +252,13 @@ def _check_no_layer_across_cuts(model, found):
     for segment in found:
         for name in segment.layers:
             first = seen.setdefault(name, segment.index)
-            if first != segment.index and layers.get(name) is not None and layers[name].non_trainable_variables:
+            if first != segment.index and layers.get(name) is not None and mutable_state(layers[name]):
                 raise ValueError(
                     f"Layer {name!r} of model {model.name!r} is called in segment {first} and in "
                     f"segment {segment.index}, and has state of its own (non-trainable variables: "
                     "moving statistics, a seed): recomputing one call would put its state back "
                     "where the other call left it. Allowed: a layer with state called within one "
-                    "segment; layers with weights alone (a tied embedding) may be called in several."
+                    "segment; layers with weights alone (a tied embedding, frozen or not) may be called in several."
                 )
 
 
