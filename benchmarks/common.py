@@ -114,8 +114,9 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     rounded up to whole executions of the model's `steps_per_execution`.
 
     Returns the timed steps, seconds for them (the clock stops after the last
-    step's loss has been read, so queued GPU work is counted), that loss, and
-    the peak bytes TensorFlow allocated on each of `devices` during them.
+    step's loss has been read, so queued GPU work is counted), that loss, the
+    peak bytes TensorFlow allocated on each of `devices` during them, and their
+    wall-clock window (Unix seconds).
     """
     import keras
     import tensorflow as tf
@@ -124,11 +125,11 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
 
     class Clock(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            times["start"] = time.perf_counter()
+            times["start"], times["start_epoch_s"] = time.perf_counter(), time.time()
 
         def on_epoch_end(self, epoch, logs=None):
             times["loss"] = float(logs["loss"])  # waits for the last step
-            times["end"] = time.perf_counter()
+            times["end"], times["end_epoch_s"] = time.perf_counter(), time.time()
 
     spe = int(model.steps_per_execution or 1)
     if getattr(model, "_auto_steps_per_execution", False):  # kvram's "auto": what fit will take
@@ -153,6 +154,8 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
         "seconds": times["end"] - times["start"],
         "loss": times["loss"],
         "peak_gib": {d: peak_gib(d) for d in devices},
+        # wall-clock (Unix) seconds of the timed steps: whether processes run side by side overlapped there
+        "timed_window": [times["start_epoch_s"], times["end_epoch_s"]],
     }
 
 
