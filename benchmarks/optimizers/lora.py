@@ -112,7 +112,7 @@ def main():
         "measured_peak_gib": measured,
         "predicted_over_measured": None if measured is None else predicted / measured,
         "tokens_per_s": args.batch * args.sequence * timed["steps"] / timed["seconds"],
-        "final_loss": timed["loss"], "plan_s": planned_at - started,
+        "final_loss": timed["loss"], "timed_window": timed["timed_window"], "plan_s": planned_at - started,
         "wall_s": time.perf_counter() - started, "versions": versions(),
     }
     print({k: result[k] for k in ("parameters", "trainable_parameters", "predicted_peak_gib", "measured_peak_gib",
