@@ -25,6 +25,11 @@ walk is bounded to the ops the function itself created (those with a larger id
 than the graph's last op when the function was called): the same variables are
 found, and each call costs what its own ops do.
 
+Upstream: no TensorFlow issue reports this walk (searched 2026-12-05); tensorflow/tensorflow#9901
+reports gradient construction that scales with the size of the whole graph in general.
+`tests/test_custom_gradient.py` checks the premise (TensorFlow's walk grows faster than the depth)
+and the bound.
+
 `install()` (called by `import kvram`) replaces the two private functions once;
 `installed()` says whether it has.
 """
