@@ -35,7 +35,9 @@ def main():
     parser.add_argument("--budget-gib", type=float, default=None, help="remat.plan's budget (default: cap - 0.5)")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--sequence", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=4)
+    # one row of 1024: the float32 weights (mixed_bfloat16: 10 GB) and the 256000-word logits and their
+    # gradient in float32 (1 GB each per 1024 tokens) leave no room for a second row under 16 GiB
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=8)
