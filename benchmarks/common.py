@@ -29,6 +29,18 @@ def set_kvram_switches(settings: dict) -> None:
     os.environ["KVRAM_PIN_HOST_MEMORY"] = os.environ["KVRAM_XLA_FLAGS"] = value
 
 
+def cap_first_gpu(gib: float) -> None:
+    """Limits TensorFlow's first GPU to `gib` GiB (one logical device with that
+    memory limit), as a smaller card would; nothing where there is no GPU. Call
+    it before TensorFlow first uses the GPU."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(gib * 1024))])
+
+
 def gpu_name() -> str:
     try:
         out = subprocess.run(

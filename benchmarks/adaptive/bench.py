@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import commit, gpu_name, result_header  # noqa: E402
+from benchmarks.common import cap_first_gpu, commit, gpu_name, result_header  # noqa: E402
 PARTS = ("by_hand", "adaptive", "fixed", "find", "adaptive_async", "micro")
 
 
@@ -41,11 +41,8 @@ def setup(limit_gib, smoke):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import tensorflow as tf
 
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus and limit_gib:
-        tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(limit_gib * 1024))]
-        )
+    if limit_gib:
+        cap_first_gpu(limit_gib)
     import keras
 
     shape = (32, 32, 3) if smoke else (224, 224, 3)

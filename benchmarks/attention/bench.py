@@ -24,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import child_result, gpu_name, run_children, versions  # noqa: E402
+from benchmarks.common import cap_first_gpu, child_result, gpu_name, run_children, versions  # noqa: E402
 
 WIDTH, HEADS, KEY_DIM = 512, 8, 64
 
@@ -36,10 +36,7 @@ def child(kind, args):
 
     device = args.device
     if device.startswith("GPU"):
-        gpus = tf.config.list_physical_devices("GPU")
-        tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(args.cap_gib * 1024))]
-        )
+        cap_first_gpu(args.cap_gib)
     import keras
 
     import kvram

@@ -44,7 +44,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import child_result, gpu_name, result_header, versions, write_result  # noqa: E402
+from benchmarks.common import cap_first_gpu, child_result, gpu_name, result_header, versions, write_result  # noqa: E402
 
 CONFIGS = {
     "keras_adamw": "Keras AdamW, mixed_bfloat16 (float32 weights, gradients, moments), a Checkpoint on every block",
@@ -69,9 +69,7 @@ def child(name, depth, args):
     import tensorflow as tf
 
     if args.device.startswith("GPU"):
-        gpus = tf.config.list_physical_devices("GPU")
-        tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(args.gpu_memory_gib * 1024))])
+        cap_first_gpu(args.gpu_memory_gib)
     import keras
     import keras_hub
     import numpy as np

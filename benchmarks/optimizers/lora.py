@@ -26,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import gpu_name, result_header, timed_fit, versions, write_result  # noqa: E402
+from benchmarks.common import cap_first_gpu, gpu_name, result_header, timed_fit, versions, write_result  # noqa: E402
 
 
 def main():
@@ -57,9 +57,7 @@ def main():
     import tensorflow as tf
 
     if args.device.startswith("GPU"):
-        gpus = tf.config.list_physical_devices("GPU")
-        tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(args.gpu_memory_gib * 1024))])
+        cap_first_gpu(args.gpu_memory_gib)
     import keras
     import keras_hub
     import numpy as np

@@ -24,20 +24,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import gpu_name, result_header, versions, write_result  # noqa: E402
+from common import cap_first_gpu, gpu_name, result_header, versions, write_result  # noqa: E402
 
 
 def child(args) -> dict:
     from kvram import remat as plan  # before TensorFlow (CPU allocator statistics: kvram/__init__.py)
 
-    import tensorflow as tf
-
     cap = plan.parse_bytes(args.cap)
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=cap // 2**20)]
-        )
+    cap_first_gpu(cap / 2**30)
     import keras
 
     constructor = getattr(keras.applications, args.model)
