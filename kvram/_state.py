@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+
 def mutable_state(layer) -> list:
     """The variables `layer` (and the layers within it) may assign while it runs
     in training: those a layer made non-trainable for itself (BatchNormalization's
-    moving statistics, float8 amax histories) and its seed generators' states.
+    moving statistics) and its seed generators' states.
 
     Not state: weights frozen by `layer.trainable = False` (Keras then marks
     them non-trainable too, which is why `non_trainable_variables` cannot tell

@@ -258,7 +258,8 @@ def _check_no_layer_across_cuts(model, found):
                     f"segment {segment.index}, and has state of its own (non-trainable variables: "
                     "moving statistics, a seed): recomputing one call would put its state back "
                     "where the other call left it. Allowed: a layer with state called within one "
-                    "segment; layers with weights alone (a tied embedding, frozen or not) may be called in several."
+                    "segment; layers with weights alone (a tied embedding, frozen or not) may be "
+                    "called in several."
                 )
 
 
