@@ -56,3 +56,21 @@ def test_a_frozen_tied_embedding_may_be_called_in_several_segments():
     assert [s.layers for s in chosen.segments].count(("embed",)) == 2
     planned = chosen.apply()
     np.testing.assert_allclose(planned(x).numpy(), model(x).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_out_of_memory_recovery_snapshots_moving_statistics_not_frozen_weights():
+    """AdaptiveBatchSize's step copies the state a failed gradient pass may have written, before
+    each pass: for a frozen backbone, not its weights."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    frozen = keras.layers.Dense(16, name="frozen")
+    h = keras.layers.BatchNormalization(name="norm")(frozen(inputs))
+    model = kvram.Model(inputs, keras.layers.Dense(1, name="head")(h))
+    frozen.trainable = False
+    model.compile("adam", "mse")
+    x = np.random.default_rng(0).random((16, 8)).astype("float32")
+    controller = kvram.callbacks.AdaptiveBatchSize(device="CPU:0", verbose=0)
+    model.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0, callbacks=[controller])
+    snapshotted = {getattr(v, "path", v.name) for v in model.train_function._state}
+    assert {"norm/moving_mean", "norm/moving_variance"} <= snapshotted, snapshotted
+    assert not snapshotted & {v.path for v in frozen.variables}, snapshotted

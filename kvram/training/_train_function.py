@@ -43,6 +43,7 @@ from keras import tree
 from keras.src.backend.tensorflow.trainer import reduce_per_replica
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from kvram._state import mutable_state
 from kvram.memory import collect_garbage, is_out_of_memory
 from kvram.training import _step
 
@@ -351,7 +352,7 @@ class TrainFunction:
     # A failed gradient pass writes only these; they are restored after it.
     def _state_variables(self) -> tuple:
         model = self.model
-        variables = list(model.non_trainable_variables) + list(model.metrics_variables)
+        variables = mutable_state(model) + list(model.metrics_variables)  # not frozen weights: kvram/_state.py
         variables += self.step_state.counters()
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
