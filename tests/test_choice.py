@@ -64,3 +64,40 @@ def test_the_run_table_holds_each_runs_saving_and_need():
             assert saving == _choice._saving(profile, j, k)
             assert need == _choice._run_need(profile, j, k)
             assert worst == max(profile.need[j : k + 1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_checked_budget_settles_no_choice_dearer_than_the_one_it_takes(seed):
+    # A settled check is three more traces under one op order (kvram.remat._check's `settled`):
+    # the search asks for one only where its answer can change the choice.
+    from kvram.remat._plan import _fit_checked
+
+    rng = random.Random(seed)
+    profile = _profile(rng, rng.randint(3, 6))
+    choices = _every_choice(len(profile.need))
+    # checks that peak apart from the prediction, and settle higher still
+    first = {runs: int(_choice._predict(profile, list(runs)) * rng.uniform(0.9, 1.1)) for runs in choices}
+    final = {runs: int(peak * rng.uniform(1.0, 1.05)) for runs, peak in first.items()}
+    first[()] = final[()] = max(final.values()) + 1  # the plain step: the highest peak
+    settled = []
+
+    def check(runs):
+        return first[tuple(runs)]
+
+    def settle(runs):
+        settled.append(tuple(runs))
+        return final[tuple(runs)]
+
+    check.settled, check.known = settle, lambda: tuple(choices)  # every choice checked before
+    low, candidates = _choice._minimum(profile), _choice._least_candidates(profile, _choice._minimum(profile))
+    least_runs = min(choices, key=lambda r: final[r])
+    plain, least = first[()], final[least_runs]
+    assert plain > least
+    cost = lambda runs: _choice._recomputed(profile, runs)  # noqa: E731
+    for fraction in (0.2, 0.5, 0.8):
+        target = int(least + fraction * (plain - least))
+        settled.clear()
+        runs = tuple(_fit_checked(profile, check, target, plain, least, least_runs, candidates, low))
+        fitting = [r for r in choices if first[r] <= target and final[r] <= target]
+        assert runs in fitting and cost(runs) == min(cost(r) for r in fitting), (runs, fraction)
+        assert settled and all(cost(r) <= cost(runs) for r in settled), (runs, settled)

@@ -474,8 +474,8 @@ def _fit_checked(profile, check, target, plain, least, least_runs, candidates, l
     # candidates), free to ask again: the least recomputing of those within
     # `target` ends the search once the programme's choice recomputes no less
     # (its least recomputation only grows as its budget is lowered).
-    known = [r for r in getattr(check, "known", tuple)() if fits(r)]
-    best = min(known, key=cost, default=None)
+    known = getattr(check, "known", tuple)()
+    best = _cheapest_fitting(known, fits, cost)
     checked = []
     runs = _choose(profile, budget)
     while runs is not None and len(checked) < _CHECK_TRIES:
@@ -491,8 +491,18 @@ def _fit_checked(profile, check, target, plain, least, least_runs, candidates, l
             runs = _choose(profile, budget)
             if runs is not None and tuple(runs) in checked:
                 runs, step = None, 2 * step
-    fitting = [r for r in list(candidates) + checked + known if fits(r)]
-    return min(fitting, key=cost, default=least_runs)
+    found = _cheapest_fitting(list(candidates) + checked + list(known), fits, cost)
+    return least_runs if found is None else found
+
+
+def _cheapest_fitting(runs, fits, cost):
+    """min((r for r in runs if fits(r)), key=cost, default=None), asking `fits`
+    in order of cost only until one fits: `fits` settles a choice (three more
+    traces under one op order) and a plan's earlier checks are many."""
+    for candidate in sorted(dict.fromkeys(runs), key=cost):  # stable: the first of equal cost
+        if fits(candidate):
+            return candidate
+    return None
 
 
 # How much further than the overshoot (a fraction of the range of predicted
