@@ -10,7 +10,7 @@ import tensorflow as tf
 import kvram
 from kvram.training import _train_function
 from kvram.callbacks import AdaptiveBatchSize, MemoryLogger, find_max_batch_size
-from tests.helpers import gradients_failing_every, max_rel_diff
+from tests.helpers import gradients_failing_every, in_own_process, max_rel_diff
 
 TOL = 1e-5
 N = 96  # samples
@@ -378,7 +378,10 @@ def test_hysteresis_no_change_for_less_than_ten_percent(monkeypatch):
 
 
 @pytest.mark.slow
-def test_headroom_with_real_cpu_allocator_stats():
+@pytest.mark.own_process
+def test_headroom_with_real_cpu_allocator_stats(request):
+    if in_own_process(request):  # run ahead, beside the suite (tests/helpers.py)
+        return
     keras.utils.set_random_seed(0)
     with tf.device("CPU:0"):  # the model, its variables and its steps (also on a GPU machine)
         inputs = keras.Input((64,))

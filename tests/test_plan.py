@@ -185,7 +185,10 @@ def test_estimate_checks_what_fits_beside_the_variables():
 
 
 @pytest.mark.slow
-def test_cli_plan_keras_applications_model(capsys):
+@pytest.mark.own_process
+def test_cli_plan_keras_applications_model(request, capsys):
+    if in_own_process(request):  # run ahead, beside the suite (tests/helpers.py)
+        return
     # MobileNet (v1): the keras.applications model with the fewest layers (the `kvram plan`
     # command took 30 s where MobileNetV3Small took 47 s, side by side on 2 cores)
     code = cli.main([
@@ -703,7 +706,10 @@ def test_estimate_check_at_is_validated():
 
 
 @pytest.mark.slow
-def test_a_check_out_of_memory_does_not_fit_and_the_plan_goes_on(monkeypatch):
+@pytest.mark.own_process
+def test_a_check_out_of_memory_does_not_fit_and_the_plan_goes_on(request, monkeypatch):
+    if in_own_process(request):  # run ahead, beside the suite (tests/helpers.py)
+        return
     # The unmodified step, checked at the batch, runs out of the device's
     # memory (as on a GPU smaller than it needs): its row is marked "oom", does
     # not fit, and the plan with recomputation is still found and checked.
@@ -1138,7 +1144,10 @@ def test_resident_bytes_are_the_variables_the_optimizer_state_and_the_batches():
 
 
 @pytest.mark.slow  # a whole plan, checks included: 22.3 s on a 2-core VM without AVX-512
-def test_plan_shows_its_stages_on_stderr_unless_verbose_is_0(capsys):
+@pytest.mark.own_process
+def test_plan_shows_its_stages_on_stderr_unless_verbose_is_0(request, capsys):
+    if in_own_process(request):  # run ahead, beside the suite (tests/helpers.py)
+        return
     x = np.random.default_rng(0).random((8, 32, 32, 3)).astype("float32")
     batch = (x, np.arange(8) % 10)
     model = small_model()
