@@ -133,6 +133,13 @@ def _first_error_line(text: str) -> str:
     return text.strip().splitlines()[-1][:400] if text.strip() else "no output"
 
 
+def _error_tail(text: str, lines: int = 12) -> str:
+    """The last `lines` lines of a child's output that are not TensorFlow's log lines or stack frames."""
+    kept = [line for line in text.splitlines()
+            if line.strip() and not line.startswith(("I0000", "W0000")) and not line.lstrip().startswith("File ")]
+    return "\n".join(kept[-lines:])[-3000:]
+
+
 def _runs(text: str):
     runs = []
     for item in text.split(","):
@@ -194,7 +201,9 @@ def main():
                                   capture_output=True, text=True, timeout=args.timeout)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             run = (json.loads(lines[-1][len("RESULT "):]) if lines and not proc.returncode else
-                   {"trained": False, "error": _first_error_line(proc.stderr or proc.stdout)})
+                   {"trained": False, "error": _first_error_line(proc.stderr or proc.stdout),
+                    # the line above can be a bare C++ frame (XLA's status macros): what the error said
+                    "error_tail": _error_tail(proc.stderr or proc.stdout)})
         except subprocess.TimeoutExpired:
             run = {"trained": False, "error": f"timed out after {args.timeout} s"}
         run.update(config=name, depth=depth, wall_s=time.perf_counter() - started)
