@@ -259,7 +259,8 @@ def in_own_process(request) -> bool:
     whole training step: in the suite's process, what earlier tests left
     running (tf.data threads) allocates from the same allocator meanwhile.
     And for a heavy test (over ~7 s on 2 cores) marked own_process, which then
-    runs ahead, beside the suite, on CI's second core. Outside such a child, runs the test in a new pytest process (or takes the
+    runs ahead, beside the suite, on CI's second core. Outside such a child,
+    runs the test in a new pytest process (or takes the
     result of the one `AHEAD` started) and returns True: the caller returns;
     an xfail there is reported as one. Inside, returns False: the caller
     measures."""
