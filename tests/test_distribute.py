@@ -132,7 +132,13 @@ def launch_workers(tmp_path, script, kwargs, **options):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kwargs", [{"micro_batch_size": 3, "clip_global_norm": 0.5}, {}], ids=["micro_batches_clipped", "plain"]
+    "kwargs",
+    [
+        pytest.param({"micro_batch_size": 3, "clip_global_norm": 0.5}, id="micro_batches_clipped"),
+        # extended: the two workers' strategy, launch and fit() are the case above's; the plain
+        # step under a strategy is test_mirrored_equals_one_device_on_the_same_global_batch's
+        pytest.param({}, id="plain", marks=pytest.mark.extended),
+    ],
 )
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
 def test_multi_worker_mirrored_two_processes_equal_one_device(tmp_path, kwargs, request):
