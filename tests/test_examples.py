@@ -18,8 +18,12 @@ def load(name):
     return module
 
 
-def test_digits_shards_example_learns(tmp_path):
+@pytest.mark.slow  # 11.5 s on 2 cores
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_digits_shards_example_learns(tmp_path, request):
     pytest.importorskip("sklearn")
+    if in_own_process(request):
+        return
     accuracy = load("digits_shards").main(["--out", str(tmp_path / "digits"), "--epochs", "40"])
     assert accuracy > 0.8  # ten classes: chance is 0.1
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import kvram
 from kvram.optimizers import AdamW8bit, HostOffload, _host
+from tests.helpers import in_own_process
 
 DEVICE = "/CPU:1"
 
@@ -264,10 +265,13 @@ def _blocks_model(policy="full", **kvram_args):
 
 
 @pytest.mark.slow  # XLA compiles per block: 6-11 s each on 2 cores
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
 @pytest.mark.parametrize("policy", ["full", "save_dots"])
-def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does(policy):
+def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does(policy, request):
     """Under host_offload with XLA, each Checkpoint block is its own XLA computation (forward, and
     recomputation with backward), so its gradients are made, and go to the host, block by block."""
+    if in_own_process(request):
+        return
     x, y = _data()
     with tf.device(DEVICE):
         whole = _blocks_model(policy)

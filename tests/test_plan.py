@@ -48,7 +48,10 @@ def _direct(batch):
 
 
 @pytest.mark.slow
-def test_estimate_extrapolates_and_recommends_what_fits():
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_estimate_extrapolates_and_recommends_what_fits(request):
+    if in_own_process(request):
+        return
     batch = 64
     # the memory the full batch would need unmodified, measured directly
     direct, memory = _direct(batch)
