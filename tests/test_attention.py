@@ -5,7 +5,7 @@ import tensorflow as tf
 
 import kvram
 from kvram.layers import MemoryEfficientAttention
-from tests.helpers import max_rel_diff
+from tests.helpers import in_own_process, max_rel_diff
 
 
 def pair(num_heads=4, key_dim=8, chunk_size=16, seed=0):
@@ -566,7 +566,10 @@ def test_dropout_equals_dense_attention_with_the_same_mask(causal, masked):
 
 
 @pytest.mark.slow
-def test_layer_dropout_is_unbiased_and_replayed_by_checkpoint():
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_layer_dropout_is_unbiased_and_replayed_by_checkpoint(request):
+    if in_own_process(request):
+        return
     keras.utils.set_random_seed(0)
     mea = MemoryEfficientAttention(2, 8, chunk_size=8, dropout=0.5, seed=1)
     q, v = inputs(t=13, s=21)

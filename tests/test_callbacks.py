@@ -146,9 +146,12 @@ def test_fit_survives_injected_ooms_and_equals_an_uninterrupted_run(accumulation
 
 
 @pytest.mark.slow
-def test_out_of_memory_recovery_with_the_optimizer_on_the_host():
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_out_of_memory_recovery_with_the_optimizer_on_the_host(request):
     """AdaptiveBatchSize's recovery under host_offload: the failed passes change no host state, and
     the run ends where a plain one without failures does."""
+    if in_own_process(request):
+        return
     plain = network(accumulation_steps=2)
     plain.fit(dataset(), epochs=2, verbose=0)
     oom = InjectedOOM(rows=5, fail_calls={9, 30})
@@ -162,7 +165,10 @@ def test_out_of_memory_recovery_with_the_optimizer_on_the_host():
 
 
 @pytest.mark.slow
-def test_a_hundred_ooms_in_one_fit():
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_a_hundred_ooms_in_one_fit(request):
+    if in_own_process(request):
+        return
     epochs = 9
     plain = network(metrics=False)
     plain.fit(dataset(8), epochs=epochs, verbose=0)
