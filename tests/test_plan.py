@@ -48,10 +48,7 @@ def _direct(batch):
 
 
 @pytest.mark.slow
-@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
-def test_estimate_extrapolates_and_recommends_what_fits(request):
-    if in_own_process(request):
-        return
+def test_estimate_extrapolates_and_recommends_what_fits():
     batch = 64
     # the memory the full batch would need unmodified, measured directly
     direct, memory = _direct(batch)
