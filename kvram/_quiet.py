@@ -82,7 +82,31 @@ def import_tensorflow_quietly() -> None:
 
         # The first device query loads the CUDA driver (or fails to: cuInit's error line).
         tf.config.list_physical_devices()
-        _spend_bfloat16_notice(tf)
+    _QUIETED_HERE.append(True)
+
+
+# Whether this process imported TensorFlow quietly (and so spends the bfloat16 notice).
+_QUIETED_HERE = []
+
+
+def devices_set() -> None:
+    """For a `kvram` command, once its devices are configured (`kvram plan --limit-gpu`'s and
+    `kvram demo`'s logical GPU: TensorFlow's runtime, once started, keeps the devices it started
+    with), before its first bfloat16 op: spends oneDNN's bfloat16 notice (`_spend_bfloat16_notice`)
+    with descriptor 2 silenced. Only where the import was quieted; once per process.
+
+    Not at the import: running an op starts the runtime, and the GPU limit set after it then
+    raised, or (`kvram demo`) was left out: on an H200 the demo's plain Keras trained in
+    7392 MiB under its "4 GiB" limit (2026-12-05, commit 0e8f883)."""
+    if _QUIETED_HERE and not _SPENT:
+        _SPENT.append(True)
+        import tensorflow as tf
+
+        with stderr_silenced():
+            _spend_bfloat16_notice(tf)
+
+
+_SPENT = []
 
 
 def _spend_bfloat16_notice(tf) -> None:
@@ -93,8 +117,8 @@ def _spend_bfloat16_notice(tf) -> None:
     platforms with AVX-512. Falling back to the default Eigen-based implementation"
     (tensorflow/tensorflow#40455): a level-2 TF_CPP_MIN_LOG_LEVEL shows it in the middle of
     `kvram plan`'s estimate, whose mixed-precision probes run bfloat16 on the CPU. Spending
-    the once here, while descriptor 2 is silenced, keeps it out; nothing else is affected
-    (the ops fall back to Eigen either way)."""
+    the once (`devices_set`), while descriptor 2 is silenced, keeps it out; nothing else is
+    affected (the ops fall back to Eigen either way)."""
     with tf.device("CPU:0"):
         images = tf.ones([1, 2, 2, 1], tf.bfloat16)
         kernel = tf.ones([1, 1, 1, 1], tf.bfloat16)

@@ -56,6 +56,56 @@ def test_demo_loss_falls_from_the_first_step_on_a_deep_wide_model(tmp_path, requ
         assert len(losses) == 16 and max(losses) <= losses[0] and losses[-1] < losses[0] - 0.1, losses
 
 
+def test_demo_limits_the_gpu_before_anything_runs_and_refuses_to_run_unlimited(monkeypatch):
+    """On a GPU the demo's point is its limit: set first, then the command's devices_set() (which runs
+    ops); a limit TensorFlow refuses (its runtime had started) is an error, not an unlimited run."""
+    import importlib
+
+    _demo = importlib.import_module("kvram.cli._demo")
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def devices_set():
+        calls.append("devices_set")
+        raise Stop
+
+    monkeypatch.setattr(_demo._quiet, "devices_set", devices_set)
+    monkeypatch.setattr(_demo, "limit_gpu", lambda size: calls.append(("limit_gpu", size)) or True)
+    with pytest.raises(Stop):
+        _demo.run_demo("GPU:0", print_fn=lambda *_: None)
+    assert calls == [("limit_gpu", 4 * 2**30), "devices_set"]
+
+    def refused(size):
+        raise RuntimeError("Virtual devices cannot be modified after being initialized")
+
+    monkeypatch.setattr(_demo, "limit_gpu", refused)
+    with pytest.raises(RuntimeError, match=r"could not limit the GPU to 2\.0 GiB: TensorFlow's runtime had started"):
+        _demo.run_demo("GPU:0", gpu_memory=2 * 2**30, print_fn=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_the_commands_import_leaves_the_devices_to_configure(tmp_path):
+    """`import kvram` in a `kvram` command starts no TensorFlow runtime: kvram demo and kvram plan
+    --limit-gpu then make their logical GPU (here: two logical CPUs, the same call). Its quiet import
+    once ran a bfloat16 op, and on an H200 the demo's plain Keras trained in 7392 MiB under "4 GiB"."""
+    import subprocess
+
+    script = (
+        "import sys\n"
+        "sys.argv = ['kvram', 'demo']\n"
+        "import kvram, tensorflow as tf\n"
+        "from tensorflow.python.eager import context\n"
+        "assert not context.context()._initialized, 'the runtime started at import'\n"
+        "cpu = tf.config.list_physical_devices('CPU')[0]\n"
+        "tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)\n"
+        "print(len(tf.config.list_logical_devices('CPU')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["2"], done.stdout + done.stderr[-3000:]
+
+
 def test_demo_summary_says_what_kvram_bought_when_plain_keras_runs_out():
     import importlib
 
@@ -262,6 +312,7 @@ _BFLOAT16_FIT = """
 import sys
 sys.argv = ["kvram", "plan"]  # as the command's processes (kvram plan's child among them) import kvram
 import kvram, keras, numpy as np
+kvram._quiet.devices_set()  # as kvram plan and kvram demo do once their devices are set
 keras.mixed_precision.set_global_policy("mixed_bfloat16")
 model = keras.Sequential([keras.Input((6, 6, 3)), keras.layers.Conv2D(4, 3), keras.layers.Dense(2)])
 model.compile("sgd", "mse")
@@ -273,7 +324,8 @@ print("fitted")
 @pytest.mark.slow
 def test_the_commands_bfloat16_steps_print_no_onednn_error_line(tmp_path):
     """On a CPU without AVX-512, oneDNN logs an ERROR line on the first bfloat16 op, which a
-    level-2 TF_CPP_MIN_LOG_LEVEL lets through; the quiet import spends it (kvram/_quiet.py).
+    level-2 TF_CPP_MIN_LOG_LEVEL lets through; the command spends it once its devices are set
+    (kvram/_quiet.py, devices_set).
     On a CPU with AVX-512 there is no such line either way."""
     import subprocess
 

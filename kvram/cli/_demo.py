@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kvram import memory, precision
+from kvram import _quiet, memory, precision
 from kvram.cli._plan import limit_gpu
 from kvram.layers import Checkpoint
 from kvram.training import Model
@@ -158,8 +158,13 @@ def run_demo(
     if on_gpu and gpu_memory:
         try:
             limited = limit_gpu(gpu_memory)
-        except RuntimeError:  # TensorFlow's runtime has started: the GPU runs unlimited
-            pass
+        except RuntimeError as error:  # TensorFlow's runtime has started: the GPU would run unlimited
+            raise RuntimeError(
+                f"kvram demo could not limit the GPU to {gpu_memory / 2**30:.1f} GiB: TensorFlow's runtime had "
+                f"started ({error}). Allowed: the `kvram demo` command, or run() before TensorFlow runs its "
+                "first operation in this process."
+            ) from None
+    _quiet.devices_set()
     device = memory._device_name(device)
     policy = precision.auto_policy() if on_gpu else "float32"
     args = dict(

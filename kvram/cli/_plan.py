@@ -13,7 +13,7 @@ import zipfile
 import keras
 import tensorflow as tf
 
-from kvram import _plan_process, remat
+from kvram import _plan_process, _quiet, remat
 from kvram._plan_process import CheckStore
 from kvram.remat._check import StageLog
 
@@ -106,6 +106,7 @@ def _plan(args) -> int:
                 raise SystemExit("kvram plan: --limit-gpu: TensorFlow sees no GPU")
         except RuntimeError as error:  # the GPU was initialized already
             raise SystemExit(f"kvram plan: --limit-gpu: {error}") from None
+    _quiet.devices_set()
     build = _model_builder(args.model, _input_shape(args.input_shape), args.classes)
     if args.plan_child:  # what the estimate's process took to start, in the command's time
         StageLog(True)(f"TensorFlow {tf.__version__} imported"
