@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -119,7 +120,7 @@ def _child_command(nodeid):
     )
 
 
-# The children start as forks of one process that has imported what every child
+# Without a GPU, the children start as forks of one process that has imported what every child
 # imports first (TensorFlow, Keras, kvram, pytest: ~4.3 s of CPU each on 2 cores,
 # for ~30 children; a clean-clone suite 815 s before, 719 s after), and started
 # nothing of TensorFlow's runtime (no eager context, no op thread pool: a fork
@@ -176,21 +177,36 @@ def _child_main(command, out_path, err_path):
         os._exit(code)  # no interpreter teardown: nothing of the child's is kept
 
 
+def _forkable() -> bool:
+    """Whether children fork from the fork server: where TensorFlow sees no GPU. The server's
+    `import kvram` lists the GPUs (cuInit), and CUDA does not work in a fork of a process that
+    initialised it: on a GPU machine each child is a new interpreter, as before."""
+    return not tf.config.list_physical_devices("GPU")
+
+
 class _Child:
-    """One child run: `start()` forks it, `result(timeout)` waits for it and
-    gives (returncode, stdout, stderr); -9 and a note when it ran past `timeout`."""
+    """One child run: `start()` starts it (a fork of the fork server, or a new
+    interpreter where a GPU is present), `result(timeout)` waits for it and gives
+    (returncode, stdout, stderr); -9 and a note when it ran past `timeout`."""
 
     def __init__(self, nodeid):
         import tempfile
 
+        self.nodeid, self.process = nodeid, None
         self.folder = tempfile.mkdtemp(prefix="kvram-child-")
         self.paths = [os.path.join(self.folder, name) for name in ("out", "err")]
-        self.process = _forks().Process(target=_child_main, args=(_child_command(nodeid), *self.paths),
-                                        name=f"kvram-test-child {nodeid}", daemon=False)
 
     def start(self):
-        with _FORKS_LOCK:
-            self.process.start()
+        command = _child_command(self.nodeid)
+        if _forkable():
+            forks = _forks()
+            with _FORKS_LOCK:
+                self.process = forks.Process(target=_child_main, args=(command, *self.paths),
+                                             name=f"kvram-test-child {self.nodeid}", daemon=False)
+                self.process.start()
+        else:
+            with open(self.paths[0], "w") as out, open(self.paths[1], "w") as err:
+                self.process = subprocess.Popen(**command, stdout=out, stderr=err)
         return self
 
     def kill(self):
@@ -199,16 +215,24 @@ class _Child:
     def result(self, timeout):
         import shutil
 
-        self.process.join(timeout)
         note = ""
-        if self.process.exitcode is None:
-            self.process.kill()
-            self.process.join()
-            note = f"\ntimed out after {timeout} s"
-        code = -9 if note else self.process.exitcode
+        if isinstance(self.process, subprocess.Popen):
+            try:
+                code = self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                note = f"\ntimed out after {timeout} s"
+        else:
+            self.process.join(timeout)
+            if self.process.exitcode is None:
+                self.process.kill()
+                self.process.join()
+                note = f"\ntimed out after {timeout} s"
+            code = self.process.exitcode
         out, err = (open(path, errors="replace").read() for path in self.paths)
         shutil.rmtree(self.folder, ignore_errors=True)
-        return code, out, err + note
+        return (-9 if note else code), out, err + note
 
 
 # A child's limit: ConvNeXt's family test took 940 s alone on a 2-core AMD EPYC and
