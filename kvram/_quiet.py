@@ -95,9 +95,8 @@ def devices_set() -> None:
     with), before its first bfloat16 op: spends oneDNN's bfloat16 notice (`_spend_bfloat16_notice`)
     with descriptor 2 silenced. Only where the import was quieted; once per process.
 
-    Not at the import: running an op starts the runtime, and the GPU limit set after it then
-    raised, or (`kvram demo`) was left out: on an H200 the demo's plain Keras trained in
-    7392 MiB under its "4 GiB" limit (2026-12-05, commit 0e8f883)."""
+    Not at the import: running an op starts the runtime, after which no logical GPU (no memory
+    limit) can be made."""
     if _QUIETED_HERE and not _SPENT:
         _SPENT.append(True)
         import tensorflow as tf

@@ -161,7 +161,7 @@ def run_demo(
         except RuntimeError as error:  # TensorFlow's runtime has started: the GPU would run unlimited
             raise RuntimeError(
                 f"kvram demo could not limit the GPU to {gpu_memory / 2**30:.1f} GiB: TensorFlow's runtime had "
-                f"started ({error}). Allowed: the `kvram demo` command, or run() before TensorFlow runs its "
+                f"started ({error}). Allowed: the `kvram demo` command, or run_demo() before TensorFlow runs its "
                 "first operation in this process."
             ) from None
     _quiet.devices_set()
