@@ -82,11 +82,12 @@ def import_tensorflow_quietly() -> None:
 
         # The first device query loads the CUDA driver (or fails to: cuInit's error line).
         tf.config.list_physical_devices()
-    _QUIETED_HERE.append(True)
+    global _NOTICE_OWED
+    _NOTICE_OWED = True
 
 
-# Whether this process imported TensorFlow quietly (and so spends the bfloat16 notice).
-_QUIETED_HERE = []
+# Whether this process imported TensorFlow quietly and has not yet spent the bfloat16 notice.
+_NOTICE_OWED = False
 
 
 def devices_set() -> None:
@@ -97,15 +98,13 @@ def devices_set() -> None:
 
     Not at the import: running an op starts the runtime, after which no logical GPU (no memory
     limit) can be made."""
-    if _QUIETED_HERE and not _SPENT:
-        _SPENT.append(True)
+    global _NOTICE_OWED
+    if _NOTICE_OWED:
+        _NOTICE_OWED = False
         import tensorflow as tf
 
         with stderr_silenced():
             _spend_bfloat16_notice(tf)
-
-
-_SPENT = []
 
 
 def _spend_bfloat16_notice(tf) -> None:

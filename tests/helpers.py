@@ -108,11 +108,14 @@ def one_op_order():
     )
 
 
+def _pytest_args(nodeid):
+    # the node is run whatever its marks (pyproject's addopts leave the extended ones out)
+    return ["-q", "-rxX", "-s", "--tb=short", "-p", "no:cacheprovider", "-m", "extended or not extended", nodeid]
+
+
 def _child_command(nodeid):
     return dict(
-        # the node is run whatever its marks (pyproject's addopts leave the extended ones out)
-        args=[sys.executable, "-m", "pytest", "-q", "-rxX", "-s", "--tb=short", "-p", "no:cacheprovider",
-              "-m", "extended or not extended", nodeid],
+        args=[sys.executable, "-m", "pytest", *_pytest_args(nodeid)],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         # not a pytest-xdist worker (tests/conftest.py): the worker running it holds its lock
         env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")},
@@ -140,25 +143,21 @@ def _forks():
             import multiprocessing
             from multiprocessing import forkserver
 
+            from kvram._quiet import stderr_silenced
+
             _FORKS = multiprocessing.get_context("forkserver")
             _FORKS.set_forkserver_preload(_PRELOAD)
             # started here with its stderr on /dev/null: its imports' TensorFlow C++ lines would reach
             # the suite's output at any point (each child writes its own stderr to a file)
-            sys.stderr.flush()
-            kept = os.dup(2)
-            try:
-                with open(os.devnull, "w") as null:
-                    os.dup2(null.fileno(), 2)
-                    forkserver.ensure_running()
-            finally:
-                os.dup2(kept, 2)
-                os.close(kept)
+            with stderr_silenced():
+                forkserver.ensure_running()
         return _FORKS
 
 
-def _child_main(command, out_path, err_path):
-    """A child (in a fork of the fork server): `command`'s pytest run, its
-    output to the two files; exits with pytest's code."""
+def _child_main(nodeid, command, out_path, err_path):
+    """A child (in a fork of the fork server): the pytest run of `nodeid`, in
+    `command`'s folder and environment, its output to the two files; exits
+    with pytest's code."""
     os.chdir(command["cwd"])
     os.environ.clear()
     os.environ.update(command["env"])
@@ -170,7 +169,7 @@ def _child_main(command, out_path, err_path):
 
     code = 1
     try:
-        code = int(pytest.main(command["args"][3:]))
+        code = int(pytest.main(_pytest_args(nodeid)))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -201,7 +200,7 @@ class _Child:
         if _forkable():
             forks = _forks()
             with _FORKS_LOCK:
-                self.process = forks.Process(target=_child_main, args=(command, *self.paths),
+                self.process = forks.Process(target=_child_main, args=(self.nodeid, command, *self.paths),
                                              name=f"kvram-test-child {self.nodeid}", daemon=False)
                 self.process.start()
         else:
