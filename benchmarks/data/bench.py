@@ -7,10 +7,11 @@ evicted from the page cache (`posix_fadvise(DONTNEED)`), so each reads from disk
 (`np.copyto`), so every byte is touched the same way for every method:
 
 - raw: `np.copyto` straight from the memmap, batch by batch (the ceiling);
-- kvram: `ShardedDataset.to_tf_dataset(shuffle=False)` and `(shuffle=True)`, each
-  with its checksum check on first read (the default, on a fresh dataset in a
-  process that has checked nothing: a first epoch) and `_unverified`
-  (`verify_on_read=False`); `verify_cost` is 1 - checked / unchecked bandwidth;
+- kvram: `ShardedDataset.to_tf_dataset(shuffle=False)`, `(shuffle=True)` and
+  `(read="view")`, each with its checksum check on first read (the default, on a
+  fresh dataset in a process that has checked nothing: a first epoch) and
+  `_unverified` (`verify_on_read=False`); `verify_cost` is 1 - checked /
+  unchecked bandwidth;
 - tf_data_floor: a tf.data pipeline that reads nothing (one tensor repeated), through
   the same consumer: the most any tf.data reader can reach here;
 - from_generator: a generator yielding the same memmap slices;
@@ -71,9 +72,7 @@ def make_shards(directory, gib, row_kib):
 def io(args):
     import tensorflow as tf
 
-    from kvram.data import ShardedDataset
-
-    from kvram.data import _verify
+    from kvram.data import ShardedDataset, _verify
 
     directory = args.dir or os.path.join(tempfile.gettempdir(), "kvram-io-bench")
     index = os.path.join(directory, "index.json")
@@ -96,23 +95,17 @@ def io(args):
         for start in range(0, rows, batch):
             consume(data.read(start, min(start + batch, rows), [field])[field])
 
-    def kvram_pipeline(shuffle, verify=True, reads=1, read="pread", whole=False, default=False):
+    def kvram_pipeline(shuffle, verify=True, read="pread"):
         """A fresh dataset and pipeline each round, checked and unchecked alike, so
         that `verify_cost` compares the same work but the check. With `verify`, every
         byte is checked on its first read (this process forgets earlier checks first):
-        a first epoch, the check's worst case. Chunk digests are checked as they
-        are read (`verify_chunks=True`), or with `whole` each file is checked whole
-        before its first read, on background threads (`verify_chunks=False`, and
-        the check of an index without chunk digests), or with `default` as
-        `verify_chunks=None` chooses for this machine's cores (above 4: whole
-        files, the reads checking chunks of a file until its whole check is
-        done). (`raw` reads one ShardedDataset's memmaps every round: its first
-        round maps the pages, 1.8 s for 1 GiB on the 2-core VM, then 0.06 s.)"""
+        a first epoch, the check's worst case, as `verify_chunks=None` chooses for
+        this machine's cores."""
 
         def run():
             _verify.forget_checked()
-            fresh = ShardedDataset(directory, verify_on_read=verify, verify_chunks=None if default else not whole)
-            for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0, num_parallel_reads=reads, read=read):
+            fresh = ShardedDataset(directory, verify_on_read=verify)
+            for item in fresh.to_tf_dataset(batch, shuffle=shuffle, seed=0, read=read):
                 consume(item)
         return run
 
@@ -153,20 +146,8 @@ def io(args):
         "kvram_unverified": kvram_pipeline(False, verify=False),
         "kvram_shuffled": kvram_pipeline(True),
         "kvram_shuffled_unverified": kvram_pipeline(True, verify=False),
-        "kvram_autotune": kvram_pipeline(False, reads=-1),
-        "kvram_shuffled_autotune": kvram_pipeline(True, reads=-1),
-        "kvram_whole_autotune": kvram_pipeline(False, reads=-1, whole=True),
-        "kvram_default_autotune": kvram_pipeline(False, reads=-1, default=True),
-        "kvram_shuffled_default_autotune": kvram_pipeline(True, reads=-1, default=True),
-        "kvram_shuffled_whole_autotune": kvram_pipeline(True, reads=-1, whole=True),
-        "kvram_unverified_autotune": kvram_pipeline(False, verify=False, reads=-1),
-        "kvram_shuffled_unverified_autotune": kvram_pipeline(True, verify=False, reads=-1),
-        "kvram_unverified_memmap": kvram_pipeline(False, verify=False, read="memmap"),
-        "kvram_unverified_memmap_autotune": kvram_pipeline(False, verify=False, reads=-1, read="memmap"),
-        "kvram_unverified_view": kvram_pipeline(False, verify=False, reads=-1, read="view"),
-        "kvram_shuffled_unverified_view": kvram_pipeline(True, verify=False, reads=-1, read="view"),
-        "kvram_view": kvram_pipeline(False, reads=-1, read="view"),
-        "kvram_shuffled_view": kvram_pipeline(True, reads=-1, read="view"),
+        "kvram_view": kvram_pipeline(False, read="view"),
+        "kvram_unverified_view": kvram_pipeline(False, verify=False, read="view"),
         "tf_data_floor": tf_data_floor,
         "from_generator": from_generator,
         "from_tensor_slices": from_tensor_slices,
@@ -198,47 +179,12 @@ def io(args):
         if not name.startswith("kvram") or "unverified" in name:
             continue
         base = "kvram_shuffled" if name.startswith("kvram_shuffled") else "kvram"
-        # kvram_view: kvram_unverified_view; kvram_whole_autotune, kvram_default_autotune: kvram_unverified_autotune
-        unverified = base + "_unverified" + name[len(base):].replace("_whole", "").replace("_default", "")
+        unverified = base + "_unverified" + name[len(base):]  # kvram_view: kvram_unverified_view
         if unverified in results:
             results[name]["verify_cost"] = 1 - results[name]["gb_per_s"] / results[unverified]["gb_per_s"]
     return {"bytes": nbytes, "rows": rows, "repeat": args.repeat, "row_bytes": int(np.prod(width)) * 4, "batch": batch,
             "page_cache_evicted_before_each": not args.cached, "directory": directory,
             "results": results}
-
-
-def rss(args):
-    """Reads a `--gib` dataset end to end (shuffled, every byte touched) while
-    sampling the process's RssAnon after every batch."""
-    from kvram.data import ShardedDataset
-
-    directory = args.dir or os.path.join(tempfile.gettempdir(), "kvram-rss-bench")
-    if not os.path.exists(os.path.join(directory, "index.json")):
-        make_shards(directory, args.gib, args.row_kib)
-    data = ShardedDataset(directory)
-
-    def rss_anon():
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        return None
-
-    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    dataset = data.to_tf_dataset(args.batch, shuffle=True, seed=0)
-    iterator = iter(dataset)
-    checksum = float(next(iterator).numpy().sum())
-    before = rss_anon()
-    samples = [before]
-    started = time.perf_counter()
-    for batch in iterator:
-        checksum += float(batch.numpy().sum())
-        samples.append(rss_anon())
-    seconds = time.perf_counter() - started
-    return {"bytes": data.nbytes, "batch": args.batch, "machine_memory_bytes": total_memory,
-            "rss_anon_after_first_batch": before, "rss_anon_peak": max(samples),
-            "rss_anon_growth": max(samples) - before, "rss_anon_last": samples[-1],
-            "batches": len(samples), "seconds": seconds, "gb_per_s": data.nbytes / seconds / 1e9}
 
 
 def train_child(args):
@@ -330,21 +276,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def shard_reader(name, gib):
-        command = sub.add_parser(name)
-        command.add_argument("--gib", type=float, default=gib)
-        command.add_argument("--row-kib", type=int, default=64)
-        command.add_argument("--batch", type=int, default=64)
-        command.add_argument("--dir")
-        command.add_argument("--out", default=f"{name}.json")
-        return command
-
-    p_io = shard_reader("io", 1.0)
+    p_io = sub.add_parser("io")
+    p_io.add_argument("--gib", type=float, default=1.0)
+    p_io.add_argument("--row-kib", type=int, default=64)
+    p_io.add_argument("--batch", type=int, default=64)
+    p_io.add_argument("--dir")
+    p_io.add_argument("--out", default="io.json")
     p_io.add_argument("--cached", action="store_true", help="do not evict the page cache")
     p_io.add_argument("--methods", nargs="*")
     p_io.add_argument("--repeat", type=int, default=1,
                       help="passes per method, round-robin; the median is reported")
-    shard_reader("rss", 8.0)
     p_train = sub.add_parser("train")
     p_train.add_argument("--images", type=int, default=4096)
     p_train.add_argument("--batch", type=int, default=256)
@@ -361,7 +302,7 @@ def main(argv=None):
     if args.command == "train-child":
         print("RESULT " + json.dumps(train_child(args)), flush=True)
         return
-    record = {"io": io, "rss": rss, "train": train}[args.command](args)
+    record = {"io": io, "train": train}[args.command](args)
     record.update(command=" ".join(sys.argv), python=platform.python_version(),
                   host=platform.node(), date=time.strftime("%Y-%m-%d"))
     try:

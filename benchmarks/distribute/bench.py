@@ -17,9 +17,8 @@ image of the global batch; `scaling` is img/s over the single GPU's, same run.
     python benchmarks/distribute/bench.py --out distribute.json
     python benchmarks/distribute/bench.py --cpu --image-size 32 --batch 4 --steps 2   # smoke run
 
-`--model vit_b16` trains ViT-B/16 (models/vit.py) instead, with AdamW; `--pin` pins host
-memory (kvram.speed); `--input per-replica` gives each replica its own dataset instead of
-splitting global batches on the host.
+`--input per-replica` gives each replica its own dataset instead of splitting global
+batches on the host.
 
 `--cpu --jit` compiles with XLA on the CPU too: the workers then stop at XLA's missing
 CPU collectives (b/194942685), after everything kvram does before them.
@@ -47,7 +46,7 @@ def child(args):
     if args.config == "mwms":
         # before anything starts TensorFlow's context: collectives are configured then
         implementation = getattr(tf.distribute.experimental.CommunicationImplementation,
-                                 args.mwms_communication or ("AUTO" if args.cpu else "NCCL"))
+                                 "AUTO" if args.cpu else "NCCL")
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
     elif args.cpu and args.config in ("mirrored", "keras_mirrored"):
@@ -59,15 +58,10 @@ def child(args):
         gpu = tf.config.list_physical_devices("GPU")[0]
         half = tf.config.LogicalDeviceConfiguration(memory_limit=int(args.logical * 1024))
         tf.config.set_logical_device_configuration(gpu, [half, half])
-    if args.pin:
-        import kvram.speed
-
-        kvram.speed.pin_host_memory()  # before TF's first operation
     import keras
 
     import kvram
     from models.resnet50 import resnet50
-    from models.vit import vit
 
     kind = "CPU" if args.cpu else "GPU"
     devices = [f"{kind}:{i}" for i in range(len(tf.config.list_logical_devices(kind)))]
@@ -83,20 +77,12 @@ def child(args):
     shape = (args.image_size, args.image_size, 3)
     started = time.perf_counter()
     with strategy.scope():
-        if args.model == "vit_b16":
-            if args.config == "keras_mirrored":
-                raise SystemExit("keras_mirrored is ResNet50's plain-Keras baseline only")
-            model = vit(args.image_size, 16, 768, 12, 12, 3072, 1000, attention="efficient", checkpoint=True,
-                        name="vit_b16")  # vit_b16 at --image-size
-            optimizer = keras.optimizers.AdamW(1e-4)
-            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if args.config == "keras_mirrored":  # plain Keras, for keras-team/keras#17187
+            model = keras.applications.ResNet50(weights=None, input_shape=shape)
         else:
-            if args.config == "keras_mirrored":  # plain Keras, for keras-team/keras#17187
-                model = keras.applications.ResNet50(weights=None, input_shape=shape)
-            else:
-                model = resnet50(shape, checkpoint=True)
-            optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-            loss = "sparse_categorical_crossentropy"
+            model = resnet50(shape, checkpoint=True)
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        loss = "sparse_categorical_crossentropy"
         if args.config != "keras_mirrored":
             model.micro_batch_size = args.micro_batch_size
         model.compile(optimizer=optimizer, loss=loss, jit_compile=args.jit or not args.cpu)
@@ -157,14 +143,6 @@ def main():
                         help="global: one dataset of global batches, split by the strategy on the "
                              "host; per-replica: each replica's batch from its own dataset "
                              "(distribute_datasets_from_function)")
-    parser.add_argument("--mwms-communication", choices=("AUTO", "NCCL", "RING"), default=None,
-                        help="the MWMS workers' collectives outside XLA (default NCCL on GPUs); "
-                             "XLA's own all-reduce inside the step always uses NCCL")
-    parser.add_argument("--model", choices=("resnet50", "vit_b16"), default="resnet50",
-                        help="resnet50: models/resnet50.py, SGD with momentum; vit_b16: models/vit.py "
-                             "(MemoryEfficientAttention, a Checkpoint per encoder block), AdamW(1e-4)")
-    parser.add_argument("--pin", action="store_true",
-                        help="kvram.speed.pin_host_memory() in every process (page-locked host tensors)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -180,11 +158,8 @@ def main():
         "batch_per_replica": args.batch,
         "input": args.input,
         "image_size": args.image_size,
-        "model": ("models.vit.vit_b16(attention='efficient', checkpoint=True), mixed_bfloat16, AdamW(1e-4), "
-                  if args.model == "vit_b16" else
-                  "models.resnet50.resnet50(checkpoint=True), mixed_bfloat16, SGD(0.01, momentum=0.9), ")
+        "model": "models.resnet50.resnet50(checkpoint=True), mixed_bfloat16, SGD(0.01, momentum=0.9), "
                  + ("no XLA (CPU)" if args.cpu else "jit_compile=True"),
-        "pinned_host_memory": args.pin,
         "results": {},
     }
     me = os.path.abspath(__file__)

@@ -50,13 +50,6 @@ def main():
     parser.add_argument("--checkpoint", action="store_true", help="Checkpoint each stage")
     parser.add_argument("--skip-single", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="two logical CPUs (smoke test)")
-    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                        help="after the timing, profile STEPS steps of each M and sort the GPU "
-                             "kernels by phase (forward, backward, gradient sums, loss, optimizer)")
-    parser.add_argument("--host-swapping", action="store_true",
-                        help="PipelineModel(host_swapping=True): Grappler's memory optimizer may "
-                             "copy activations to host memory and back in the step (TF's default; "
-                             "kvram turns it off for PipelineModel's step)")
     parser.add_argument("--per-slice", action="store_true",
                         help="also time micro_batches=M with defer_weight_gradients=False (each "
                              "Dense kernel's gradient per slice, summed), in the same rounds")
@@ -126,7 +119,6 @@ def main():
         "model": {"width": args.width, "hidden": args.hidden, "blocks": args.blocks},
         "batch": args.batch,
         "command": "python " + " ".join(sys.argv),
-        "grappler_memory_optimizer": "default (host_swapping=True)" if args.host_swapping else "off for the step (kvram's default)",
         "single_device": single,
     }
 
@@ -154,8 +146,7 @@ def main():
     plan = kvram.parallel.balance(layers(), devices, by="memory", sample_batch=x[:8])
     print(plan.report, flush=True)
     report["balance"] = plan.report
-    model = kvram.parallel.PipelineModel(plan.stages, devices, micro_batches=1, checkpoint=args.checkpoint,
-                                         host_swapping=args.host_swapping)
+    model = kvram.parallel.PipelineModel(plan.stages, devices, micro_batches=1, checkpoint=args.checkpoint)
     compile_(model)
     model.build((None, args.width))
     report["parameters"] = model.count_params()
@@ -192,121 +183,9 @@ def main():
     }
     print(f"naive {naive:.0f} samples/s, pipelined (M={m}) {piped:.0f}: {piped / naive:.2f}x "
           f"(GPipe ideal {k * m / (m + k - 1):.2f}x)", flush=True)
-    if args.profile:
-        report["profile"] = {}
-        for config in configs:
-            model.micro_batches, model.defer_weight_gradients = config
-            model.train_function = functions.get(config)
-            report["profile"][key(config)] = profile = _profile(model, data, args.profile)
-            print(f"profile {key(config)}: " + json.dumps(
-                {k: profile.get(k) for k in ("phases_ms_per_step", "busy_ms_per_step", "idle_ms_per_step",
-                                              "window_ms_per_step", "kinds_ms_per_step")}), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-
-
-# Where a kernel's TF op sits in PipelineModel.train_step's name scopes. The gradient
-# sums (`sums[k][j] + g`) are the `add` ops directly under a stage's backward scope; the
-# gradients themselves are under `gradient_tape/<the forward scope>`, where a Dense
-# layer's weight gradient is its MatMul's second gradient (`MatMul/MatMul_1`, x^T dy:
-# TensorFlow's _MatMulGrad makes the input's first) and its bias's `BiasAddGrad`; with
-# defer_weight_gradients (the default) the kernels' are under `stage<k>_weight_gradients`.
-PHASES = (
-    ("weight_gradients", r"stage\d+_weight_gradients/"),  # deferred: one product per kernel
-    ("gradient_sums", r"stage\d+_backward_mb\d+/add"),
-    ("weight_gradients", r"gradient_tape/.*(MatMul/MatMul_1|BiasAddGrad)"),
-    ("backward", r"gradient_tape/|_backward_mb\d+/"),
-    ("forward", r"stage\d+_forward_mb\d+/"),
-    ("loss", r"loss_mb\d+/"),
-    ("optimizer", r"[Aa]dam|ResourceApply|AssignAdd|AssignSub|AssignVariable|update_step|apply_gradients"),
-)
-
-
-def _phase(op: str) -> str:
-    import re
-
-    for phase, pattern in PHASES:
-        if re.search(pattern, op):
-            return phase
-    return "other"
-
-
-def _profile(model, data, steps):
-    """Profiles `steps` steps of `model.fit` (TF profiler, CUPTI) and sorts every GPU
-    kernel by kind (benchmarks/profile/kernels.py) and by phase of the step."""
-    import glob
-    import shutil
-    import tempfile
-
-    import tensorflow as tf
-
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "profile"))
-    from kernels import breakdown, read_xspace, xspace_kernels
-
-    model.fit(data, steps_per_epoch=2, epochs=1, verbose=0)  # warm
-    logdir = tempfile.mkdtemp(prefix="kvram-pipeline-profile-")
-    try:
-        tf.profiler.experimental.start(logdir)
-        model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
-        tf.profiler.experimental.stop()
-        planes = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-        space = read_xspace(planes[0]) if planes else None
-        kernels = xspace_kernels(space) if planes else []
-        try:
-            copies = _memcpy_by_op(space, steps) if kernels else []
-        except Exception as error:  # the kernels are kept whatever this finds
-            copies = f"{type(error).__name__}: {error}"
-    finally:
-        shutil.rmtree(logdir, ignore_errors=True)
-    if not kernels:
-        return {"error": "no GPU kernels in the profile"}
-    result = breakdown(kernels, steps)
-    phases: dict = {}
-    for _name, _start, duration, _stream, op in kernels:
-        entry = phases.setdefault(_phase(op), [0.0, 0])
-        entry[0] += duration
-        entry[1] += 1
-    result["phases_ms_per_step"] = {k: round(v[0] / steps / 1e3, 3) for k, v in sorted(phases.items())}
-    result["memcpy_by_op"] = copies
-    result["phases_kernels_per_step"] = {k: v[1] / steps for k, v in sorted(phases.items())}
-    return result
-
-
-def _memcpy_by_op(space, steps, top=20):
-    """The profile's memory copies (a parsed profile, `kernels.read_xspace`) grouped
-    by TF op and direction: calls, MB and ms a step, from each copy event's
-    `memcpy_details` statistic (its size)."""
-    import re
-
-    groups: dict = {}
-    for plane in space.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        names = {k: v.name for k, v in plane.stat_metadata.items()}
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for event in line.events:
-                meta = plane.event_metadata[event.metadata_id]
-                kernel = meta.name or meta.display_name
-                if "Memcpy" not in kernel:
-                    continue
-                stats = {}
-                for stat in list(event.stats) + list(meta.stats):
-                    value = stat.str_value or (plane.stat_metadata[stat.ref_value].name if stat.ref_value else "")
-                    stats[names.get(stat.metadata_id, "")] = value or stat.uint64_value or stat.int64_value
-                details = str(stats.get("memcpy_details", ""))
-                size = re.search(r"(?:size|num_bytes|bytes):(\d+)", details)
-                key = (kernel, str(stats.get("tf_op", ""))[-160:], line.name)
-                entry = groups.setdefault(key, [0, 0, 0.0, details[:200]])
-                entry[0] += 1
-                entry[1] += int(size.group(1)) if size else 0
-                entry[2] += event.duration_ps / 1e9
-    rows = sorted(groups.items(), key=lambda kv: -kv[1][2])[:top]
-    return [{"copy": k[0], "op": k[1], "stream": k[2], "calls_per_step": v[0] / steps,
-             "mb_per_step": v[1] / steps / 1e6, "ms_per_step": v[2] / steps, "details": v[3]}
-            for k, v in rows]
 
 
 def _apply(layers, x):

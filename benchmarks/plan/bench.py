@@ -6,7 +6,7 @@ Each (model, cap) runs in its own process, with the GPU made a logical device
 of the cap's size (TensorFlow then cannot allocate beyond it) before
 TensorFlow starts. With --try-all, every configuration of the recommended
 precision is trained too (until --budget-seconds are spent), to find the
-fastest; with --seed-baseline, plain Keras in float32 too. A child (--child)
+fastest. A child (--child)
 writes its result to --out after each measurement, so a run cut short keeps
 what it measured.
 
@@ -50,26 +50,13 @@ def child(args) -> dict:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)
 
-    measured_before = set()
-    if args.estimate_from:
-        # the estimate an earlier run saved (its time stays recorded there): measure only
-        with open(args.estimate_from) as f:
-            earlier = json.load(f)
-        found = _estimate_from(earlier["estimate"])
-        result["segments_checked"] = _same_segments(earlier["estimate"], build)
-        # rows an earlier run measured (--skip-measured): not measured again
-        measured_before = {(t["micro_batch_size"], t["remat"]) for t in earlier.get("tried", [])
-                           if not str(t.get("error", "")).startswith("not tried")} if args.skip_measured else set()
-        save(plan_seconds=earlier["plan_seconds"], estimate=earlier["estimate"],
-             estimate_from=os.path.basename(args.estimate_from))
-    else:
-        micro = None if args.micro_batch_sizes is None else [
-            int(m) for m in args.micro_batch_sizes.split(",") if m != "none"]
-        found = plan.estimate(build, args.batch_size, memory_bytes=cap, precisions=tuple(args.precision.split(",")),
-                              micro_batch_sizes=micro, verbose=True)
-        print(found, flush=True)
-        save(plan_seconds=round(time.perf_counter() - began, 1), estimate=found.to_json())
-    if found.recommended is None or args.estimate_only:
+    micro = None if args.micro_batch_sizes is None else [
+        int(m) for m in args.micro_batch_sizes.split(",") if m != "none"]
+    found = plan.estimate(build, args.batch_size, memory_bytes=cap, precisions=tuple(args.precision.split(",")),
+                          micro_batch_sizes=micro, verbose=True)
+    print(found, flush=True)
+    save(plan_seconds=round(time.perf_counter() - began, 1), estimate=found.to_json())
+    if found.recommended is None:
         return result
 
     def timed(configuration, **kwargs):
@@ -78,22 +65,13 @@ def child(args) -> dict:
         return measured | {"seconds": round(time.perf_counter() - start, 1)}  # build and compile included
 
     save(recommended=timed(found.recommended, plain=not args.no_plain))
-    if args.seed_baseline:
-        # plain Keras in float32, the seed write-up's starting point
-        f32 = plan.Configuration("float32", None, "none", 0, 1.0, True)
-        save(plain_float32=timed(f32, kvram=False)["plain"])
     if args.try_all:
         tried = []
-        wanted = None if not args.rows else {
-            (None if micro == "none" else int(micro), remat)
-            for micro, remat in (row.split(":") for row in args.rows.split(","))}
         # the configurations predicted to fit first, the fastest predicted first:
         # those predicted not to fit are tried too (they may run out of
         # memory), while time is left
         others = sorted((c for c in found.configurations
-                         if c.precision == found.recommended.precision and c is not found.recommended
-                         and (c.micro_batch_size, c.remat) not in measured_before
-                         and (wanted is None or (c.micro_batch_size, c.remat) in wanted)),
+                         if c.precision == found.recommended.precision and c is not found.recommended),
                         key=lambda c: (not c.fits, c.relative_step_time))
         for c in others:
             entry = {"micro_batch_size": c.micro_batch_size, "remat": c.remat,
@@ -109,47 +87,6 @@ def child(args) -> dict:
     return result
 
 
-def _same_segments(saved, build) -> bool:
-    """Whether the saved estimate's runs (segment indices) name the segments
-    kvram cuts the model into now; False when the estimate predates the
-    record (its recomputing rows are then measured unchecked). An estimate
-    made by another cut (an earlier kvram that did not inline nested models,
-    say) is refused: its runs would recompute other segments."""
-    from kvram import remat
-
-    recorded = saved.get("segments")
-    if not recorded:
-        print("the estimate does not record its segments: its runs are not checked", flush=True)
-        return False
-    now = [s.layers[-1] for s in remat.segments(build())]
-    for precision, names in recorded.items():
-        if names != now:
-            raise SystemExit(
-                f"the estimate's {precision} segments ({len(names)}) are not the model's now ({len(now)}): "
-                "its runs would recompute other segments. Make a new estimate."
-            )
-    return True
-
-
-def _estimate_from(saved):
-    """An `Estimate` rebuilt from its JSON (configurations carry their runs)."""
-    from types import SimpleNamespace
-
-    from kvram import remat as plan
-
-    rows, recommended = [], None
-    for row in saved["configurations"]:
-        c = plan.Configuration(
-            row["precision"], row["micro_batch_size"], row["remat"], row["predicted_peak_bytes"],
-            row["relative_step_time"], row["fits"],
-            SimpleNamespace(runs=[tuple(r) for r in row["runs"]]) if row["remat"] != "none" else None,
-            predicted_by=row["predicted_by"], executor_peak_bytes=row["executor_peak_bytes"],
-        )
-        rows.append(c)
-        recommended = c if row["recommended"] else recommended
-    return plan.Estimate(saved["memory_bytes"], saved["margin"], saved["batch_size"], rows, recommended)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", action="append", required=True)
@@ -162,13 +99,6 @@ def main() -> None:
                         help='slice sizes the estimate tries besides whole batches, comma-separated; "none": '
                              "whole batches only (default: estimate's, the batch halved and quartered)")
     parser.add_argument("--try-all", action="store_true")
-    parser.add_argument("--estimate-from", default=None, help="a child's JSON: measure its estimate's rows")
-    parser.add_argument("--seed-baseline", action="store_true", help="also train plain Keras in float32")
-    parser.add_argument("--estimate-only", action="store_true", help="save the estimate, measure nothing")
-    parser.add_argument("--skip-measured", action="store_true",
-                        help="with --estimate-from: do not try again the rows its 'tried' measured")
-    parser.add_argument("--rows", default=None,
-                        help="with --try-all: only these rows, as MICRO:REMAT pairs, e.g. 128:least,none:least")
     parser.add_argument("--no-plain", action="store_true", help="do not train plain Keras beside the recommendation")
     parser.add_argument("--budget-seconds", type=int, default=420, help="stop trying configurations after this")
     parser.add_argument("--timeout", type=int, default=1800)
@@ -189,10 +119,7 @@ def main() -> None:
                        "--batch-size", str(args.batch_size), "--size", str(args.size),
                        "--precision", args.precision, "--steps", str(args.steps),
                        "--budget-seconds", str(args.budget_seconds), "--out", ""]
-            command += ["--try-all"] * args.try_all + ["--seed-baseline"] * args.seed_baseline
-            command += ["--estimate-only"] * args.estimate_only + ["--no-plain"] * args.no_plain
-            command += ["--skip-measured"] * args.skip_measured
-            command += ["--rows", args.rows] if args.rows else []
+            command += ["--try-all"] * args.try_all + ["--no-plain"] * args.no_plain
             command += ["--micro-batch-sizes", args.micro_batch_sizes] if args.micro_batch_sizes else []
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)

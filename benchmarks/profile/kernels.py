@@ -110,66 +110,6 @@ def _idle(kernels):
     return found
 
 
-def host_busy(host_events, kernels, steps: int, top: int = 40) -> dict:
-    """Milliseconds a step of each host event name (by thread kind: the
-    thread's name up to its first '/' or digit), inside the GPU's profiled
-    window: where the host's time goes while it launches the steps."""
-    start = min(k[1] for k in kernels)
-    end = max(k[1] + k[2] for k in kernels)
-    total: dict[str, list] = {}
-    for name, e_start, e_dur, thread in host_events:
-        shared = min(end, e_start + e_dur) - max(start, e_start)
-        if shared <= 0:
-            continue
-        kind = re.split(r"[/\d]", thread, maxsplit=1)[0]
-        entry = total.setdefault(f"{name[:90]} @{kind}", [0.0, 0])
-        entry[0] += shared
-        entry[1] += 1
-    return {"window_ms_per_step": (end - start) / steps / 1e3,
-            "events_ms_per_step": [(k, round(v[0] / steps / 1e3, 3), round(v[1] / steps, 2))
-                                   for k, v in sorted(total.items(), key=lambda kv: -kv[1][0])[:top]]}
-
-
-def host_during_gaps(kernels, host_events, steps: int, least_us: float = 50, top: int = 25) -> dict:
-    """What the host was doing while the GPU sat idle for `least_us` or more:
-    per host event name, the milliseconds a step it overlapped such gaps
-    (nested events each count, so the names do not add up), and for the
-    largest gaps the host events that overlapped them most.
-
-    `host_events`: `(name, start_us, dur_us, thread)` from `xspace_host_events`."""
-    gaps_found = sorted((g for g in _idle(kernels) if g[0] >= least_us), key=lambda g: g[3])
-    events = sorted(host_events, key=lambda e: e[1])
-    overlap: dict[str, float] = {}
-    per_gap = []
-    first = 0
-    for gap, after, before, start in gaps_found:
-        end = start + gap
-        while first < len(events) and events[first][1] + events[first][2] < start - 1e6:
-            first += 1  # events ending long before: no later gap reaches them (1 s bound)
-        here: dict[str, float] = {}
-        i = first
-        while i < len(events) and events[i][1] < end:  # by index: no copy of the rest a gap
-            name, e_start, e_dur, thread = events[i]
-            shared = min(end, e_start + e_dur) - max(start, e_start)
-            if shared > 0:
-                key = f"{name[:90]} @{thread[:30]}"
-                here[key] = here.get(key, 0.0) + shared
-            i += 1
-        for key, value in here.items():
-            overlap[key] = overlap.get(key, 0.0) + value
-        per_gap.append((gap, after, before, here))
-    largest = sorted(per_gap, key=lambda item: -item[0])[:12]
-    return {
-        "gaps": len(gaps_found),
-        "idle_ms_per_step": sum(g[0] for g in gaps_found) / steps / 1e3,
-        "host_ms_per_step": [(k, round(v / steps / 1e3, 3))
-                             for k, v in sorted(overlap.items(), key=lambda kv: -kv[1])[:top]],
-        "largest": [{"ms": round(g / 1e3, 3), "after": a[:120], "before": b[:120],
-                     "host": [(k, round(v / 1e3, 3)) for k, v in sorted(h.items(), key=lambda kv: -kv[1])[:8]]}
-                    for g, a, b, h in largest],
-    }
-
-
 def breakdown(kernels, steps: int) -> dict:
     """Per-step milliseconds by kind, kernel counts, GPU busy time and idle gaps.
 
@@ -229,8 +169,7 @@ def breakdown(kernels, steps: int) -> dict:
 
 
 def read_xspace(path: str):
-    """A TensorFlow profiler `*.xplane.pb` file, parsed (for `xspace_kernels`
-    and `xspace_host_events`: read it once for both)."""
+    """A TensorFlow profiler `*.xplane.pb` file, parsed (for `xspace_kernels`)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
@@ -263,24 +202,6 @@ def xspace_kernels(space):
                 start_us = line.timestamp_ns / 1e3 + event.offset_ps / 1e6
                 records.append((meta.name or meta.display_name, start_us, event.duration_ps / 1e6,
                                 line.name, op))
-    return records
-
-
-def xspace_host_events(space, limit: int = 3_000_000):
-    """`(name, start_us, dur_us, thread)` of the host's traced events (TensorFlow
-    ops, XLA's runtime, tf.data) from a parsed TensorFlow profile (`read_xspace`)."""
-    records = []
-    for plane in space.planes:
-        if not plane.name.startswith("/host:"):
-            continue
-        for line in plane.lines:
-            for event in line.events:
-                meta = plane.event_metadata[event.metadata_id]
-                start_us = line.timestamp_ns / 1e3 + event.offset_ps / 1e6
-                records.append((meta.display_name or meta.name, start_us, event.duration_ps / 1e6,
-                                line.display_name or line.name))
-                if len(records) >= limit:
-                    return records
     return records
 
 

@@ -68,8 +68,7 @@ def run_tf(name, settings, args):
     import tensorflow as tf
 
     from kernels import (
-        breakdown, by_part, describe_top_kernels, gaps, hlo_instructions, host_busy, host_during_gaps, op_names,
-        read_xspace, xspace_host_events, xspace_kernels,
+        breakdown, by_part, describe_top_kernels, gaps, hlo_instructions, op_names, read_xspace, xspace_kernels,
     )
 
     batch, device = args.batch, args.device
@@ -108,10 +107,6 @@ def run_tf(name, settings, args):
             "kernels": 0, "note": f"no GPU kernels in the trace ({len(planes)} xplane files)"}
         if kernels:
             result["gaps"] = gaps(kernels, profile_steps)
-            if args.host:
-                host_events = xspace_host_events(space)
-                result["host_during_gaps"] = host_during_gaps(kernels, host_events, profile_steps)
-                result["host_busy"] = host_busy(host_events, kernels, profile_steps)
         if kernels and args.model in _BY_PART:
             instructions = hlo_instructions(_xla_dump_dir(args.raw_dir, name))
             result["profile"]["hlo_instructions_named"] = len(instructions)
@@ -197,8 +192,6 @@ def main():
     parser.add_argument("--decoder", choices=("gpt2", "llama"), default="gpt2", help="--model decoder: its shape")
     parser.add_argument("--layers", type=int, default=None, help="--model decoder: decoder blocks (default: the shape's)")
     parser.add_argument("--raw-dir", default=None, help="keep kernel records and HLO here")
-    parser.add_argument("--host", action="store_true",
-                        help="TF: also say what the host was doing while the GPU sat idle (host_during_gaps)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -227,8 +220,6 @@ def main():
                    "--decoder", args.decoder] + (["--layers", str(args.layers)] if args.layers else [])
         if args.raw_dir:
             command += ["--raw-dir", args.raw_dir]
-        if args.host:
-            command += ["--host"]
         started = time.perf_counter()
         try:
             proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)

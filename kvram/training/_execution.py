@@ -134,8 +134,8 @@ def multi_step_function(model, step_function):
     and waits for it. That is a wait for the whole previous step, once per
     step, and the GPU then sat idle while the host launched the next one: on
     an H200, ViT-B/16 at batch 256 had 5.2 and 2.8 ms gaps a step after those
-    copies (`benchmarks/profile/step.py --host`,
-    `results/profile_vit_host_h200.json`). Pinned to the host, the loop's
+    copies (`results/profile_vit_host_h200.json`, from the host events of
+    the TF profile that `benchmarks/profile/step.py` reads). Pinned to the host, the loop's
     control needs nothing from the GPU: those copies and gaps are gone, and
     ViT-B/16 trained 1.02x faster (`results/vit_hostloop_h200.json`). Where
     the step has no XLA conditional, the host then makes no synchronizing
