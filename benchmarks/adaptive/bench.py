@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import cap_first_gpu, commit, gpu_name, result_header  # noqa: E402
-PARTS = ("by_hand", "adaptive", "fixed", "find", "adaptive_async", "micro")
+PARTS = ("by_hand", "adaptive", "fixed", "find")
 
 
 def setup(limit_gib, smoke):
@@ -109,15 +109,14 @@ def bisect(fits, good, bad, precision):
     return good, bad
 
 
-def run_part(command, log_path, timeout, echo, env=None):
+def run_part(command, log_path, timeout, echo):
     """Runs one part in a process of its own, its output to `log_path`; echoes
     the lines starting with `echo`. Returns (its RESULT record, or an error
     record with the log's tail; wall seconds)."""
     started = time.perf_counter()
     with open(log_path, "w") as log:
         try:
-            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                  timeout=timeout)
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
             returncode = done.returncode
         except subprocess.TimeoutExpired:
             returncode = None
@@ -212,13 +211,6 @@ def part_adaptive(args):
     }
 
 
-def part_adaptive_async(args):
-    """`adaptive` with TF_GPU_ALLOCATOR=cuda_malloc_async (set by the parent)."""
-    record = part_adaptive(args)
-    record["allocator"] = os.environ.get("TF_GPU_ALLOCATOR")
-    return record
-
-
 def part_find(args):
     tf, keras, shape, classes = setup(args.limit_gib, args.smoke)
     import kvram
@@ -247,26 +239,6 @@ def part_fixed(args):
             "timed_steps": args.steps - 4}
 
 
-def part_micro(args):
-    """kvram.Model at a fixed micro-batch (`--micro`, 0: none) on batches of `--rows`:
-    what slicing costs, against `fixed` (plain Keras) in the same run."""
-    tf, keras, shape, classes = setup(args.limit_gib, args.smoke)
-    import kvram
-
-    model = resnet(keras, shape, classes, kvram_model=True)
-    model.micro_batch_size = args.micro or None
-    compile_model(keras, model)
-    x, y = batch_of(tf, shape, classes, args.rows)
-    data = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps)
-    clock = StepClock(keras)
-    device = kvram.memory._device_name(None)
-    kvram.memory.reset_peak(device)
-    model.fit(data, epochs=1, verbose=0, callbacks=[clock.callback])
-    return {"batch_rows": args.rows, "micro_batch_size": args.micro or None, "steps": args.steps,
-            "img_per_s": clock.rate(args.rows, 3), "timed_steps": args.steps - 4,
-            "peak_bytes": kvram.memory.peak_bytes(device), "device": device}
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=PARTS, action="append")
@@ -275,8 +247,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--low", type=int, default=16)
     parser.add_argument("--precision", type=int, default=8)
-    parser.add_argument("--rows", type=int, help="fixed/micro parts: batch rows (default: by_hand's)")
-    parser.add_argument("--micro", type=int, default=0, help="micro part: micro-batch (0: none)")
+    parser.add_argument("--rows", type=int, help="fixed part: batch rows (default: by_hand's)")
     parser.add_argument("--smoke", action="store_true", help="32x32 images, for a CPU check")
     parser.add_argument("--timeout", type=int, default=560, help="seconds per part")
     parser.add_argument("--out", default="adaptive.json")
@@ -299,9 +270,6 @@ def main(argv=None):
                    "--precision", str(args.precision)]
         if args.smoke:
             command.append("--smoke")
-        key = part if part != "micro" else f"micro_{args.rows}_{args.micro or 'none'}"
-        if part == "micro":
-            command += ["--rows", str(args.rows), "--micro", str(args.micro)]
         if part == "fixed":
             rows = args.rows or results.get("by_hand", {}).get("true_max_rows")
             if rows is None:
@@ -309,16 +277,13 @@ def main(argv=None):
                 continue
             command += ["--rows", str(rows)]
         print(f"== {part}: {' '.join(command[1:])}", flush=True)
-        env = dict(os.environ)
-        if part == "adaptive_async":
-            env["TF_GPU_ALLOCATOR"] = "cuda_malloc_async"
         record, seconds = run_part(
-            command, f"{os.path.splitext(args.out)[0]}_{key}.log", args.timeout,
-            ("AdaptiveBatchSize", "find_max", "by_hand"), env,
+            command, f"{os.path.splitext(args.out)[0]}_{part}.log", args.timeout,
+            ("AdaptiveBatchSize", "find_max", "by_hand"),
         )
         record["wall_seconds"] = seconds
         record["commit"] = commit()
-        results[key] = record
+        results[part] = record
         print(json.dumps({k: v for k, v in record.items() if k not in ("probes", "events")}),
               flush=True)
         with open(args.out, "w") as handle:
