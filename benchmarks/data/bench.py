@@ -43,6 +43,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
+from benchmarks.common import commit, gpu_name  # noqa: E402
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -303,8 +304,9 @@ def main(argv=None):
         print("RESULT " + json.dumps(train_child(args)), flush=True)
         return
     record = {"io": io, "train": train}[args.command](args)
-    record.update(command=" ".join(sys.argv), python=platform.python_version(),
-                  host=platform.node(), date=time.strftime("%Y-%m-%d"))
+    record.update(command=" ".join(sys.argv), python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
+                  commit=commit(), cpu_cores=os.cpu_count(), gpu=gpu_name(),
+                  avx512=" avx512f" in open("/proc/cpuinfo").read())
     try:
         import tensorflow as tf
 
