@@ -1,5 +1,5 @@
-"""The tables of README.md and docs/benchmarks.md are the committed results' numbers:
-`python -m benchmarks.report` renders both from benchmarks/results/, and the committed
+"""The tables of README.md, docs/benchmarks.md and the data guide are the committed results'
+numbers: `python -m benchmarks.report` renders them from benchmarks/results/, and the committed
 pages must equal the rendering (benchmarks/report.py)."""
 
 import os
@@ -18,6 +18,14 @@ def test_the_readme_headline_table_is_rendered_from_the_results():
         text = f.read()
     assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
     assert text == report.readme(text), "run python -m benchmarks.report"
+
+
+def test_the_data_guide_table_is_rendered_from_the_results():
+    with open(report.DATA_GUIDE) as f:
+        text = f.read()
+    assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
+    assert text == report.data_guide(text), "run python -m benchmarks.report"
+    assert "| `to_tf_dataset`, first epoch (checksums checked) |" in text
 
 
 def test_every_row_of_the_headline_names_a_configuration_of_its_result():
