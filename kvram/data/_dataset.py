@@ -19,8 +19,8 @@ from kvram.data._format import INDEX, ShardError
 
 # `verify_chunks=None` checks chunks as they are read on machines of up to this many
 # cores, and whole files on background threads on larger ones (a read that comes first
-# checking its chunks instead of waiting). Measured first epochs (benchmarks/README.md,
-# data): on 2 cores chunks cost 6.5-14% against 21-54% for whole files; on a 16-core
+# checking its chunks instead of waiting). Measured first epochs (benchmarks/README.md at
+# commit 14fd531, "data"): on 2 cores chunks cost 6.5-14% against 21-54% for whole files; on a 16-core
 # GPU host chunks 17-29% against 8-12% for whole files waited for, and 6.6% or less in
 # order, 10.5-10.6% shuffled, with the reads checking chunks until then. Between 2 and
 # 16 cores it was not measured.
@@ -58,7 +58,7 @@ class ShardedDataset:
     files (more than 4 cores), a pread read that comes to a file before its
     whole check is done checks its chunks instead. Each chunk or file is hashed once per
     process (again only if it changed on disk); later epochs cost nothing.
-    Measured cost: `benchmarks/README.md` (data). Files written with
+    Measured cost: docs/guides/data.md (`results/data_io_cpu.json`). Files written with
     `checksum=False` have no checksum to compare and are read unchecked (a
     warning says so).
 
@@ -76,7 +76,7 @@ class ShardedDataset:
             threads, which hash on idle cores at less cost, while the pread
             reads check the chunks of a file whose whole check has not
             finished instead of waiting for it; measured in
-            `benchmarks/README.md`), True (chunks as they are read, where the
+            `benchmarks/README.md` at commit 14fd531), True (chunks as they are read, where the
             index has them) or False (whole files on the background threads,
             each read waiting for its file's).
 
@@ -294,7 +294,8 @@ class ShardedDataset:
                 tf.data.AUTOTUNE; the pread path releases the GIL while bytes
                 move, so readers no longer contend: from the page cache,
                 AUTOTUNE read 6.3 GB/s against one reader's 5.1 on a 16-core
-                H200 host, 2.5 against 1.6 on 2 cores, `benchmarks/README.md`).
+                H200 host, 2.5 against 1.6 on 2 cores, `benchmarks/README.md`
+                at commit 14fd531).
             prefetch: batches prefetched (-1: AUTOTUNE, 0: none).
             device: None or e.g. "GPU:0", to prefetch batches onto that device.
             fields: None (all fields, as a tuple in index order; a single field
@@ -318,7 +319,7 @@ class ShardedDataset:
                 parallel readers). Python runs once an epoch, to plan the
                 block order, and per batch only until every shard is checked
                 (the first epoch, with `verify_on_read`). SIGBUS on truncation,
-                as "memmap". Measured against the others: `benchmarks/README.md`.
+                as "memmap". Measured against the others: docs/guides/data.md.
 
         Returns:
             A dataset with known cardinality (`assert_cardinality`), so Keras

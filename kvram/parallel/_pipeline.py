@@ -84,7 +84,7 @@ class PipelineModel(Model):
             it is off for this model's step. With 8 micro-batches it predicted
             too much and swapped about 120 activations of 33.6 MB each way per
             step, 7% slower, where the step fit without (one H200 split in two
-            28 GiB halves, `benchmarks/README.md`, pipeline). Use
+            28 GiB halves; `benchmarks/README.md` at commit 14fd531, "pipeline"). Use
             `checkpoint=True` to save activation memory instead.
         defer_weight_gradients: compute each `keras.layers.Dense` kernel's
             gradient once per step over all slices (one matrix product over the

@@ -27,7 +27,8 @@ batch dimension left open: changing the size, or a short last batch, costs no
 retrace. Its slices' shapes are unknown to the graph, which on the GPU costs
 ~30% of a step against static slices (`_step.micro_batch_gradients`, used by
 a fixed `micro_batch_size`); tracing a static graph per size instead was
-measured slower for a short fit (see benchmarks/README.md, adaptive). Before
+measured slower for a short fit (benchmarks/README.md at commit 14fd531,
+"adaptive"). Before
 the first step the controller may probe: part 1 runs on a few rows of the
 batch at small sizes, with every state it writes put back afterwards, so that
 the controller can predict memory per row.
