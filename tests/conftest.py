@@ -11,9 +11,27 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # CPUs with AVX-512 VNNI/AMX: on for every CPU here (child processes inherit it).
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-import keras  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+
+
+@contextlib.contextmanager
+def _cpp_lines_silenced():
+    """Descriptor 2 at /dev/null: TensorFlow's C++ start-up lines (absl's, oneDNN's, CUDA's
+    where there is none), which pytest-xdist's controller printed after the summary."""
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved), os.close(null)
+
+
+with _cpp_lines_silenced():
+    import keras  # noqa: E402
+    import tensorflow as tf  # noqa: E402
+
+    _GPUS = len(tf.config.list_physical_devices("GPU"))
 
 # The tests check float32 transparency to 1e-5; TensorFloat-32 (on by default on
 # Ampere and newer GPUs) rounds matrix products to ~1e-3 and would hide that.
@@ -48,11 +66,10 @@ def _fresh_keras():
 
 
 def pytest_collection_modifyitems(config, items):
-    gpus = len(tf.config.list_physical_devices("GPU"))
     for item in items:
-        if "gpu" in item.keywords and gpus < 1:
+        if "gpu" in item.keywords and _GPUS < 1:
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
-        if "multi_gpu" in item.keywords and gpus < 2:
+        if "multi_gpu" in item.keywords and _GPUS < 2:
             item.add_marker(pytest.mark.skip(reason="needs two GPUs"))
     # The tests marked alone go first: their children then run before the
     # own_process children start (pytest_collection_finish), where each would
@@ -64,6 +81,18 @@ def pytest_collection_modifyitems(config, items):
 # Under pytest-xdist (`-n 2`) each worker is a process of its own; the folder of the
 # lock files that keep a test marked alone from running beside another worker's test.
 _LOCKS = "KVRAM_TEST_LOCKS"
+
+
+def pytest_xdist_auto_num_workers(config):
+    """The workers pyproject's `-n auto` starts: two where there are two cores or more, so that
+    `pytest` uses CI's two cores from its first test (`pytest -m "not slow"`: 119-123 s against 197 s in
+    one process on 2 cores); none (the tests in this process) on one core, or where TensorFlow sees
+    a GPU, which each GPU test wants to itself. `-n 0` runs them in one process anywhere;
+    PYTEST_XDIST_AUTO_NUM_WORKERS sets the number."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 0 if cores < 2 or _GPUS else 2
 
 
 def _worker() -> bool:

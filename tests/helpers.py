@@ -109,8 +109,10 @@ def one_op_order():
 
 
 def _pytest_args(nodeid):
-    # the node is run whatever its marks (pyproject's addopts leave the extended ones out)
-    return ["-q", "-rxX", "-s", "--tb=short", "-p", "no:cacheprovider", "-m", "extended or not extended", nodeid]
+    # the node is run whatever its marks (pyproject's addopts leave the extended ones out), in this
+    # one process (pyproject's addopts ask pytest-xdist for workers)
+    return ["-q", "-rxX", "-s", "--tb=short", "-p", "no:cacheprovider", "-m", "extended or not extended", "-n", "0",
+            nodeid]
 
 
 def _child_command(nodeid):
