@@ -83,8 +83,20 @@ def pytest_collection_modifyitems(config, items):
 _LOCKS = "KVRAM_TEST_LOCKS"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Without `-n` on the command line, pytest-xdist's `-n auto` (`pytest_xdist_auto_num_workers`):
+    where pytest-xdist is installed (`.[test]`), and not in an own_process child, which runs its
+    one test in its own process, nor in a worker. Without pytest-xdist (the GPU machine's Python)
+    the tests run in this process."""
+    if (config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None) is None
+            and not os.environ.get("KVRAM_TEST_ISOLATED") and not _worker()):
+        config.option.numprocesses = "auto"
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
 def pytest_xdist_auto_num_workers(config):
-    """The workers pyproject's `-n auto` starts: two where there are two cores or more, so that
+    """The workers `-n auto` starts: two where there are two cores or more, so that
     `pytest` uses CI's two cores from its first test (`pytest -m "not slow"`: 119-123 s against 197 s in
     one process on 2 cores); none (the tests in this process) on one core, or where TensorFlow sees
     a GPU, which each GPU test wants to itself. `-n 0` runs them in one process anywhere;

@@ -110,9 +110,8 @@ def one_op_order():
 
 def _pytest_args(nodeid):
     # the node is run whatever its marks (pyproject's addopts leave the extended ones out), in this
-    # one process (pyproject's addopts ask pytest-xdist for workers)
-    return ["-q", "-rxX", "-s", "--tb=short", "-p", "no:cacheprovider", "-m", "extended or not extended", "-n", "0",
-            nodeid]
+    # one process (KVRAM_TEST_ISOLATED: tests/conftest.py starts no pytest-xdist workers)
+    return ["-q", "-rxX", "-s", "--tb=short", "-p", "no:cacheprovider", "-m", "extended or not extended", nodeid]
 
 
 def _child_command(nodeid):

@@ -17,8 +17,22 @@ def test_two_workers_on_two_cores_none_with_a_gpu_or_one_core(monkeypatch):
     assert conftest.pytest_xdist_auto_num_workers(None) == 3
 
 
-def test_a_child_runs_its_test_in_its_own_process_whatever_the_workers():
-    from tests.helpers import _pytest_args
+def test_without_n_the_suite_asks_for_auto_workers_but_not_in_a_child_or_a_worker(monkeypatch):
+    import types
 
-    args = _pytest_args("tests/test_suite.py::x")
-    assert args[args.index("-n") + 1] == "0" and args[-1] == "tests/test_suite.py::x"
+    def config(numprocesses, xdist=True):
+        return types.SimpleNamespace(option=types.SimpleNamespace(numprocesses=numprocesses),
+                                     pluginmanager=types.SimpleNamespace(hasplugin=lambda name: xdist))
+
+    for variable in ("KVRAM_TEST_ISOLATED", "PYTEST_XDIST_WORKER"):
+        monkeypatch.delenv(variable, raising=False)
+    for given, xdist, wanted in ((None, True, "auto"), (0, True, 0), (3, True, 3), (None, False, None)):
+        chosen = config(given, xdist)
+        conftest.pytest_cmdline_main(chosen)
+        assert chosen.option.numprocesses == wanted, (given, xdist)
+    for variable in ("KVRAM_TEST_ISOLATED", "PYTEST_XDIST_WORKER"):  # a child, or a worker: no workers of its own
+        with monkeypatch.context() as scope:
+            scope.setenv(variable, "1")
+            child = config(None)
+            conftest.pytest_cmdline_main(child)
+            assert child.option.numprocesses is None, variable
