@@ -5,6 +5,14 @@ import os
 import shutil
 import tempfile
 
+# A pytest-xdist worker's start-up (importing TensorFlow, collecting) counts as a test for the
+# tests marked alone (`_alone_across_workers`): until its collection ends it holds the shared lock
+# those wait on, so that the first of them, first in the suite, does not run beside it.
+_STARTING = []
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("KVRAM_TEST_LOCKS"):
+    _STARTING.append(open(os.path.join(os.environ["KVRAM_TEST_LOCKS"], "held"), "a"))
+    fcntl.flock(_STARTING[0], fcntl.LOCK_SH)
+
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # CPU allocator statistics (the memory tests) need TF's oneDNN allocator, on by default only on
@@ -183,6 +191,9 @@ def pytest_collection_finish(session):
     reaches while its child is still queued waits for the running child and
     then runs alone, so one early in the suite goes first (the plan families,
     last, are in their longest-first order)."""
+    for started in _STARTING:  # this worker's start-up is over (see _STARTING)
+        started.close()
+    _STARTING.clear()
     if os.environ.get("KVRAM_TEST_ISOLATED") or session.config.option.collectonly:
         return
     if _worker():  # each worker runs its children in its turn: two workers already fill two cores

@@ -1,9 +1,19 @@
 """How the suite itself runs (tests/conftest.py)."""
 
-from tests import conftest
+import os
+
+import pytest
 
 
-def test_two_workers_on_two_cores_none_with_a_gpu_or_one_core(monkeypatch):
+@pytest.fixture
+def conftest(request):
+    """tests/conftest.py as pytest loaded it (imported again under another name, a second copy
+    would hold a worker's start-up lock for good: tests/conftest.py, _STARTING)."""
+    path = os.path.join(os.path.dirname(__file__), "conftest.py")
+    return next(p for p in request.config.pluginmanager.get_plugins() if getattr(p, "__file__", None) == path)
+
+
+def test_two_workers_on_two_cores_none_with_a_gpu_or_one_core(conftest, monkeypatch):
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
     monkeypatch.setattr(conftest, "_GPUS", 0)
     monkeypatch.setattr(conftest.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
@@ -17,7 +27,7 @@ def test_two_workers_on_two_cores_none_with_a_gpu_or_one_core(monkeypatch):
     assert conftest.pytest_xdist_auto_num_workers(None) == 3
 
 
-def test_without_n_the_suite_asks_for_auto_workers_but_not_in_a_child_or_a_worker(monkeypatch):
+def test_without_n_the_suite_asks_for_auto_workers_but_not_in_a_child_or_a_worker(conftest, monkeypatch):
     import types
 
     def config(numprocesses, xdist=True):
