@@ -142,11 +142,11 @@ def readers(name: str = "data_io_cpu.json") -> str:
     """The data guide's table: `benchmarks/data/bench.py io`'s readers against the raw copy."""
     result = load(name)
     runs = result["results"]
-    cpu = f"{result['cpu_cores']} cores" + (" with AVX-512" if result.get("avx512") else "")
+    cpu = f"{result['cpu_cores']} cores" + (" with AVX-512" if result["avx512"] else "")
     lines = [f"Reading {result['bytes'] / 2**30:g} GiB of {result['row_bytes'] // 1024} KiB rows from the page "
              f"cache, batch {result['batch']}, each method's median of {result['repeat']} rounds, every batch "
              f"copied once into the same buffer ({cpu}, {result['date']}, commit {result['commit'][:7]}, "
-             f"`python {result['command']}`, `benchmarks/results/{name}`):",
+             f"`{result['command']}`, `benchmarks/results/{name}`):",
              "", "| reader | GB/s | of the raw memmap copy |", "|---|---:|---:|"]
     lines += [f"| {label} | {runs[config]['gb_per_s']:.2f} | {runs[config]['fraction_of_raw']:.2f} |"
               for config, label in READERS]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import commit, gpu_name  # noqa: E402
+from benchmarks.common import gpu_name, result_header, versions, write_result  # noqa: E402
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -303,19 +302,11 @@ def main(argv=None):
     if args.command == "train-child":
         print("RESULT " + json.dumps(train_child(args)), flush=True)
         return
-    record = {"io": io, "train": train}[args.command](args)
-    record.update(command=" ".join(sys.argv), python=platform.python_version(), date=time.strftime("%Y-%m-%d"),
-                  commit=commit(), cpu_cores=os.cpu_count(), gpu=gpu_name(),
-                  avx512=" avx512f" in open("/proc/cpuinfo").read())
-    try:
-        import tensorflow as tf
-
-        record["tensorflow"] = tf.__version__
-    except ImportError:
-        pass
-    with open(args.out, "w") as handle:
-        json.dump(record, handle, indent=1)
-
+    record = {**result_header(f"data-{args.command}", __file__), **{"io": io, "train": train}[args.command](args)}
+    with open("/proc/cpuinfo") as cpuinfo:
+        avx512 = " avx512f" in cpuinfo.read()
+    record.update(versions=versions(), gpu=gpu_name(), cpu_cores=os.cpu_count(), avx512=avx512)
+    write_result(args.out, record)
 
 if __name__ == "__main__":
     main()
