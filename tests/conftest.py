@@ -25,7 +25,8 @@ import pytest  # noqa: E402
 @contextlib.contextmanager
 def _cpp_lines_silenced():
     """Descriptor 2 at /dev/null: TensorFlow's C++ start-up lines (absl's, oneDNN's, CUDA's
-    where there is none), which pytest-xdist's controller printed after the summary."""
+    where there is none), which pytest-xdist's controller printed after the summary. Not
+    kvram._quiet.stderr_silenced: importing any part of kvram imports TensorFlow first."""
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     try:
