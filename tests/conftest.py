@@ -106,11 +106,6 @@ def pytest_cmdline_main(config):
     if (config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None) is None
             and not os.environ.get("KVRAM_TEST_ISOLATED") and not _worker()):
         config.option.numprocesses = "auto"
-    if getattr(config.option, "numprocesses", None) and config.option.maxschedchunk is None:
-        # a test at a time to the worker that has fewer left (two queued each): pytest-xdist's
-        # `load` otherwise gives each worker a first run of ~100 consecutive tests, so one worker
-        # got every long test (pytest_collection_modifyitems puts them first)
-        config.option.maxschedchunk = 1
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
