@@ -84,12 +84,7 @@ def pytest_collection_modifyitems(config, items):
     # own_process children start (pytest_collection_finish), where each would
     # wait for the running child to end (helpers._Ahead.quiet) while the suite
     # stood still: 930 s of a 3413-s clean-clone suite on 2 cores.
-    # Under pytest-xdist the tests marked own_process (each over ~7 s on 2 cores)
-    # come next: the long tests start while the workers have the rest to share,
-    # which fills the cores to the end, where last in the suite one worker ran a
-    # 64-s child while the other had finished (a 652-s clean-clone suite). In one
-    # process they stay in place: their children run ahead, beside the suite.
-    items.sort(key=lambda item: (not _alone(item), not (_worker() and _own_process(item))))  # stable
+    items.sort(key=lambda item: not _alone(item))  # stable: the suite's order otherwise
 
 
 # Under pytest-xdist (`-n 2`) each worker is a process of its own; the folder of the
@@ -171,10 +166,6 @@ def _alone(item) -> bool:
     return item.get_closest_marker("alone") is not None and item.get_closest_marker("skip") is None
 
 
-def _own_process(item) -> bool:
-    return item.get_closest_marker("own_process") is not None and item.get_closest_marker("skip") is None
-
-
 _ALONE_LEFT = set()
 
 
@@ -210,7 +201,11 @@ def pytest_collection_finish(session):
         return
     from tests.helpers import AHEAD
 
-    marked = [item.nodeid for item in session.items if _own_process(item)]
+    marked = [
+        item.nodeid
+        for item in session.items
+        if item.get_closest_marker("own_process") is not None and not item.get_closest_marker("skip")
+    ]
     _ALONE_LEFT.update(item.nodeid for item in session.items if _alone(item))
     if marked:
         AHEAD.start(marked, held=bool(_ALONE_LEFT))
