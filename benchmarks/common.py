@@ -202,6 +202,41 @@ def timed_torch_steps(step, steps: int, warmup: int) -> dict:
     }
 
 
+def image_runners(build_tf, torch_step) -> dict:
+    """`training_main`'s runners of an image classifier's suite: `build_tf(settings, batch,
+    device)` gives the compiled model and its data, `torch_step(settings, batch)` a PyTorch
+    training step (returns its loss) and its model."""
+
+    def run_tf(settings, args):
+        add_xla_flags(settings)  # before TensorFlow starts
+        import keras
+
+        model, data = build_tf(settings, args.batch, args.device)
+        timed = timed_fit(model, data, args.steps, args.warmup, [args.device])
+        return {
+            "img_per_s": args.batch * timed["steps"] / timed["seconds"],
+            "peak_gib": timed["peak_gib"][args.device],
+            "final_loss": timed["loss"],
+            "timed_steps": timed["steps"],
+            "steps_per_execution": int(model.steps_per_execution),
+            "dtype_policy": keras.config.dtype_policy().name,
+            "parameters": model.count_params(),
+        }
+
+    def run_torch(settings, args):
+        step, model = torch_step(settings, args.batch)
+        timed = timed_torch_steps(step, args.steps, args.warmup)
+        return {
+            "img_per_s": args.batch * args.steps / timed["seconds"],
+            "peak_gib": timed["peak_gib"],
+            "final_loss": timed["loss"],
+            "first_step_s": timed["first_step_s"],
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+
+    return {"tf": run_tf, "torch": run_torch}
+
+
 def run_children(script: str, names, args, describe, timeout=None, environment=None) -> dict:
     """Runs `script --child NAME ARGS...` for each name, one process each (clean
     allocator statistics), and collects the JSON each prints on a `RESULT` line.

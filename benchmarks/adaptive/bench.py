@@ -1,25 +1,9 @@
-"""AdaptiveBatchSize on a memory-capped GPU: Keras ResNet50 started at a batch that
-does not fit.
+"""AdaptiveBatchSize on a memory-capped GPU: Keras ResNet50 started at a batch that does not fit.
 
-One physical GPU is split into a logical GPU with `--limit-gib` of memory. Every
-part runs in its own process (clean allocator) and writes one JSON record:
-
-- `by_hand`: the true largest batch, found independently of kvram's code: plain
-  `keras.Model.train_on_batch` on fixed batches, bisection to `--precision` rows.
-- `adaptive`: `kvram.Model` fed batches of `--batch` rows (which do not fit) with
-  `AdaptiveBatchSize`; records every OOM (seconds until TF raised it, seconds to
-  recover), every change, the micro-batch it settles on, and img/s over the steps
-  after the last change.
-- `find`: `kvram.callbacks.find_max_batch_size` on the same model (probes, time).
-- `fixed`: plain Keras `fit` at a fixed batch (default: the by_hand maximum), img/s.
-
-All parts use float32, SGD(momentum=0.9), synthetic data, and `jit_compile=False`
-(an XLA recompile per micro-batch size costs ~1 min for ResNet50; both sides of
-the img/s comparison use the same setting).
-
-    python benchmarks/adaptive/bench.py --out adaptive.json           # everything
-    python benchmarks/adaptive/bench.py --part adaptive --out a.json  # one part
-"""
+Parts `by_hand`, `adaptive`, `find` and `fixed`, each in its own process; float32,
+SGD(momentum=0.9), synthetic data, `jit_compile=False` on both sides of the img/s
+comparison (an XLA recompile per micro-batch size costs ~1 min for ResNet50).
+What each part measures, how to run it, where the result goes: README.md."""
 
 from __future__ import annotations
 

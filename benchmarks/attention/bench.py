@@ -1,17 +1,6 @@
 """Longest sequence that trains, and time per step: keras.layers.MultiHeadAttention
-vs kvram.layers.MemoryEfficientAttention, under one logical-GPU memory cap.
-
-The model is one self-attention layer (8 heads of 64, model width 512) and a
-Dense layer, trained with Adam on a mean-squared error, batch 1 for the length
-search. Each attention runs in its own process on a logical GPU whose
-`memory_limit` is `--cap-gib`. A length "trains" when two full training steps
-(`train_on_batch`) complete; the search doubles from 1024 until a length fails,
-then bisects until the failing length is within 1/8 of the one that trains.
-Time per step is the median of timed `train_on_batch` calls at lengths where
-both fit, with `--tokens` tokens per batch.
-
-    python benchmarks/attention/bench.py --cap-gib 16 --out attention.json
-"""
+vs kvram.layers.MemoryEfficientAttention under one logical-GPU memory cap.
+The model, the search and how to run it: README.md."""
 
 from __future__ import annotations
 

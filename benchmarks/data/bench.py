@@ -1,30 +1,10 @@
 """Reading memmapped shards: kvram's tf.data pipeline vs raw numpy vs tf.data's own.
 
-`io`: one shard directory of `--gib` GiB (float32 rows of `--row-kib` KiB) is read
-end to end by each method in turn, in one run. Before each method the files are
-evicted from the page cache (`posix_fadvise(DONTNEED)`), so each reads from disk
-(unless `--cached`). The consumer copies every batch into one preallocated buffer
-(`np.copyto`), so every byte is touched the same way for every method:
-
-- raw: `np.copyto` straight from the memmap, batch by batch (the ceiling);
-- kvram: `ShardedDataset.to_tf_dataset(shuffle=False)`, `(shuffle=True)` and
-  `(read="view")`, each with its checksum check on first read (the default, on a
-  fresh dataset in a process that has checked nothing: a first epoch) and
-  `_unverified` (`verify_on_read=False`); `verify_cost` is 1 - checked /
-  unchecked bandwidth;
-- tf_data_floor: a tf.data pipeline that reads nothing (one tensor repeated), through
-  the same consumer: the most any tf.data reader can reach here;
-- from_generator: a generator yielding the same memmap slices;
-- from_tensor_slices: the arrays loaded into memory first (time reported apart),
-  then `from_tensor_slices(...).batch(...)`, what Keras does with a memmap.
-
-`train` (GPU): Keras ResNet50 (mixed_bfloat16) on uint8 224x224 images fed from
-shards on local disk vs the same images from memory, each in its own process:
-img/s and the GPU's idle share (NVML utilisation sampled every 50 ms).
-
-    python benchmarks/data/bench.py io --gib 2 --out io.json
-    python benchmarks/data/bench.py train --images 4096 --out train.json
-"""
+`io` evicts the files from the page cache (`posix_fadvise(DONTNEED)`) before each
+method unless `--cached`, and its consumer copies every batch into one preallocated
+buffer (`np.copyto`), so every byte is touched the same way by every method;
+`verify_cost` is 1 - checked / unchecked bandwidth. `train` samples the GPU's
+utilisation through NVML every 50 ms. The methods and how to run them: README.md."""
 
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
 """Decoders on one GPU: plain Keras, kvram and PyTorch, in one run.
 
-`--model gpt2` (the default): GPT-2-medium's shape (24 layers, hidden 1024, 16
-heads, MLP 4096, vocabulary 50257, dropout 0.1). `--model llama`: a Llama of
-about 1.2 B parameters (16 layers, hidden 2048, 32 query and 8 key/value heads,
-intermediate 8192, vocabulary 128256, no dropout). Both with tied heads.
-TensorFlow: KerasHub's `GPT2Backbone` / `LlamaBackbone` built from a config
-(nothing downloaded) with its tied `ReversibleEmbedding` head, as
-`GPT2CausalLM` / `LlamaCausalLM` compute it. PyTorch: Hugging Face `transformers`' `GPT2LMHeadModel` /
-`LlamaForCausalLM` of the same config, SDPA attention, fused AdamW, eager or
-under `torch.compile`, with or without `gradient_checkpointing_enable()`. Both:
-bf16 (Keras's mixed_bfloat16, PyTorch's autocast), AdamW (lr 1e-4), one
-synthetic batch of token ids. Each configuration runs in its own process and
-reports tokens/s over the timed steps, the allocator's peak during them, and
-the model FLOPs utilisation: tokens/s x (6 N + 12 L d T) FLOPs per token over
-`--peak-tflops` (989: the H200's dense bf16), N the parameters (a tied head
-counted once).
-
-    python benchmarks/decoder/bench.py --out benchmarks/results/decoder_h200.json
-    python benchmarks/decoder/bench.py --model llama --batch 4 --sequence 2048 \\
-        --out benchmarks/results/decoder_llama_h200.json
-    python benchmarks/decoder/bench.py --only kvram_fast --batch 1 --sequence 64 --layers 2 --steps 2 \\
-        --warmup 1 --device CPU:0
-"""
+TensorFlow: KerasHub's `GPT2Backbone` / `LlamaBackbone` built from a config (nothing
+downloaded) with its tied `ReversibleEmbedding` head, as `GPT2CausalLM` / `LlamaCausalLM`
+compute it. PyTorch: `transformers`' `GPT2LMHeadModel` / `LlamaForCausalLM` of the same
+config, SDPA attention, fused AdamW. Both: bf16 (mixed_bfloat16, autocast), AdamW (lr
+1e-4), one synthetic batch of token ids; MFU counts a tied head once. The shapes, the
+configurations and how to run them: README.md."""
 
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
-"""Data parallel on GPUs: kvram's ResNet50 (mixed_bfloat16, every part a
-`kvram.layers.Checkpoint`, XLA) at `--batch` images per GPU, synthetic data, SGD:
+"""Data parallel on GPUs: kvram's ResNet50 on one GPU, under MirroredStrategy and as two
+MultiWorkerMirroredStrategy workers (`kvram launch`); synthetic data, SGD.
 
-1. `single`: one GPU (`CUDA_VISIBLE_DEVICES` = the first), no strategy;
-2. `mirrored`: `tf.distribute.MirroredStrategy` over every visible GPU, global batch
-   `--batch` x GPUs;
-3. `mwms`: two `MultiWorkerMirroredStrategy` workers (NCCL), one GPU each, started by
-   `kvram launch --workers 2`, the same global batch; worker 0's timing is kept;
-4. `keras_mirrored` (not by default): plain Keras `keras.applications.ResNet50`, no
-   checkpointing, under MirroredStrategy with XLA, as a baseline (with mixed_bfloat16
-   there is no LossScaleOptimizer, whose cond fails there: keras-team/keras#17187).
-
-Each configuration runs in its own process(es), one after the other, and the file is
-written after each, so a run stopped early keeps what finished. img/s counts every
-image of the global batch; `scaling` is img/s over the single GPU's, same run.
-
-    python benchmarks/distribute/bench.py --out distribute.json
-    python benchmarks/distribute/bench.py --cpu --image-size 32 --batch 4 --steps 2   # smoke run
-
-`--input per-replica` gives each replica its own dataset instead of splitting global
-batches on the host.
-
-`--cpu --jit` compiles with XLA on the CPU too: the workers then stop at XLA's missing
-CPU collectives (b/194942685), after everything kvram does before them.
-"""
+`keras_mirrored` (not run by default) is plain Keras's `keras.applications.ResNet50`
+under MirroredStrategy with XLA, as a baseline (mixed_bfloat16: no LossScaleOptimizer,
+whose cond fails there: keras-team/keras#17187); in `mwms` worker 0's timing is kept.
+`--cpu --jit` stops at XLA's missing CPU collectives (b/194942685), after everything
+kvram does before them. How to run it: README.md."""
 
 from __future__ import annotations
 

@@ -2,34 +2,22 @@
 
 A KerasHub `LlamaBackbone` (hidden 2048, 32 query and 8 key/value heads, intermediate 8192,
 vocabulary 32000, untied head: KerasHub's default) of `depth` blocks, every weight trainable,
-trains `--sequence` 2048 tokens x `--batch` 1 row on one GPU whose TensorFlow device is limited
-to `--gpu-memory-gib` (a logical device with a memory limit). Both configurations checkpoint every
-decoder block (kvram's `remat.rebuild`) and compute in bfloat16 under XLA:
+`--sequence` tokens x `--batch` rows, every decoder block checkpointed (`remat.rebuild`),
+bfloat16 compute under XLA:
 
 - `keras_adamw`: Keras's `AdamW` under `mixed_bfloat16` (float32 weights, gradients and moments).
-- `kvram_state`: weights in `bfloat16` (`keras.config.set_dtype_policy("bfloat16")`), kvram's
-  `AdamW8bit` (8-bit moments, stochastic rounding of the bfloat16 update),
-  `kvram.Model(update_in_backward=True)` (no step holds every gradient; the non-finite guard on),
-  `efficient_attention`, `lean_activations` and `fused_cross_entropy`.
-- `kvram_offload`: as `kvram_state`, but `kvram.Model(host_offload=True)` instead of
-  `update_in_backward`: `AdamW8bit`'s state and float32 master weights in host memory, the update on
-  the host's cores; `--accumulation` batches per update, summed on the host.
-- `kvram_gpu`: `kvram_offload`'s twin on the device: `mixed_bfloat16` (float32 weights, the same
-  bfloat16 values in the forward pass), the same `AdamW8bit` and `--accumulation`: its loss after
-  `--steps` is what the offloaded run's should equal.
+- `kvram_state`: `bfloat16` weights, kvram's `AdamW8bit` (8-bit moments, stochastic rounding),
+  `kvram.Model(update_in_backward=True)`, `efficient_attention`, `lean_activations`,
+  `fused_cross_entropy`.
+- `kvram_offload`: as `kvram_state` with `host_offload=True` instead of `update_in_backward`
+  (state and float32 master weights on the host, `--accumulation` batches per update).
+- `kvram_gpu`: `kvram_offload`'s twin on the device (`mixed_bfloat16`, the same `AdamW8bit` and
+  `--accumulation`): its loss after `--steps` is what the offloaded run's should equal.
 
-`--runs keras_adamw:18,keras_adamw:20,kvram_state:80` trains each (configuration, depth) in its
-own process for `--warmup` then `--steps` timed steps; a run that runs out of memory is recorded
-as such. The result gives per run: parameters, trained or not (and the error's first line),
-tokens/s, MFU (6 N + 12 L d T FLOPs per token against `--peak-tflops`), the peak GiB of the device and
-the process's peak resident host memory; and per
-configuration the largest depth that trained, and kvram's largest parameter count over Keras's.
+A run that runs out of memory is recorded as such. How to run it: README.md.
 
-    python benchmarks/optimizers/capacity.py --runs keras_adamw:18,keras_adamw:20,kvram_state:80 \\
-        --out benchmarks/results/optimizers_capacity_h200.json
-    python benchmarks/optimizers/capacity.py --runs keras_adamw:2,kvram_state:2 --sequence 64 --hidden 256 \\
-        --intermediate 512 --heads 4 --kv-heads 2 --vocabulary 512 --steps 2 --warmup 1 --device CPU:0
-"""
+    python benchmarks/optimizers/capacity.py --runs keras_adamw:2,kvram_state:2 --sequence 64 --hidden 256 \
+        --intermediate 512 --heads 4 --kv-heads 2 --vocabulary 512 --steps 2 --warmup 1 --device CPU:0"""
 
 from __future__ import annotations
 

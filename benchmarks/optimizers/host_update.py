@@ -1,13 +1,6 @@
 """How fast the host's cores apply an optimizer update: `HostOffload`'s update as TensorFlow CPU ops
-against one XLA computation on the CPU.
-
-For each optimizer (Keras's `AdamW`, kvram's `AdamW8bit`) and each way (`jit_compile` False, True),
-builds `--parameters` float32 parameters in 4 equal variables on CPU:0 with the optimizer's state,
-applies `--updates` updates after 2 untimed ones, and reports ms per update and parameters per
-second. The host's share of a `kvram.Model(host_offload=True)` step is about this per update.
-
-    python benchmarks/optimizers/host_update.py --out benchmarks/results/optimizers_host_update_cpu.json
-"""
+against one XLA computation on the CPU, for `AdamW` and `AdamW8bit`: `--parameters` float32
+parameters in 4 equal variables, `--updates` timed updates after 2 untimed ones. How to run it: README.md."""
 
 from __future__ import annotations
 

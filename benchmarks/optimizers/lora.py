@@ -1,20 +1,12 @@
 """LoRA on a Gemma-shaped KerasHub backbone under a GPU memory cap: does it train, and does remat.plan predict its peak?
 
-A KerasHub `GemmaBackbone` of Gemma 2B's shape (18 layers, hidden 2048, 8 query heads and 1
-key/value head of 256, intermediate 32768, vocabulary 256000: 2.5 B parameters) with its tied
-`ReversibleEmbedding` head, under `mixed_bfloat16` as KerasHub's Gemma fine-tuning guide trains it,
-`backbone.enable_lora(--rank)` (rank 8: the query and value projections' low-rank factors are the
-only trainable weights), Keras's `AdamW`. On one GPU whose TensorFlow device is limited to
-`--gpu-memory-gib` (16 by default), `kvram.remat.plan` chooses what to recompute for
-`--budget-gib` (default: the cap less 0.5 GiB), the planned `kvram.Model` trains `--warmup` then
-`--steps` timed steps under XLA, and the result gives the plan's predicted peak beside the
-allocator's measured peak over the timed steps (their ratio is what the plan is judged by), tokens/s,
-the parameters (all and trainable) and the plan's state counts.
+Gemma 2B's shape (18 layers, hidden 2048, 8 query heads and 1 key/value head of 256,
+intermediate 32768, vocabulary 256000: 2.5 B parameters), `backbone.enable_lora(--rank)`
+(the query and value projections' factors are the only trainable weights), Keras's
+`AdamW`, `mixed_bfloat16`. How to run it: README.md.
 
-    python benchmarks/optimizers/lora.py --out benchmarks/results/optimizers_lora_h200.json
-    python benchmarks/optimizers/lora.py --layers 2 --hidden 64 --heads 2 --head-dim 32 \\
-        --intermediate 128 --vocabulary 512 --sequence 32 --steps 2 --warmup 1 --device CPU:0  # smoke run
-"""
+    python benchmarks/optimizers/lora.py --layers 2 --hidden 64 --heads 2 --head-dim 32 \
+        --intermediate 128 --vocabulary 512 --sequence 32 --steps 2 --warmup 1 --device CPU:0  # smoke run"""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """Final loss of kvram's optimizers against Keras's AdamW on a character-level language model.
 
-A small KerasHub GPT-2 (`--layers` blocks, hidden `--hidden`) learns Python's own standard library
-sources (every machine has them: no download), byte by byte, for `--steps` steps of `--batch` rows
-of `--sequence` bytes; each optimizer starts from the same weights and sees the same batches. With
-`--seeds N` this is done from N initialisations and batch orders. The JSON holds each optimizer's mean
-loss over the last 10% of steps (per seed, and their mean) and the ratio of its mean to AdamW's: one
-run's final loss moves by about 1% under any small change (AdamW at a learning rate 0.1% higher), so
-a 1% comparison needs several seeds. The `bf16_` configurations train bfloat16 weights (no float32
-copy; their logits are bfloat16 too, the loss float32): Keras's AdamW, and AdamW8bit with each
-update rounded to the nearest (plain bfloat16), compensated (`kahan`) or stochastic.
-
-    python benchmarks/optimizers/quality.py --steps 2000 --out benchmarks/results/optimizers_quality_cpu.json
-"""
+Each optimizer starts from the same weights and sees the same batches of Python's own
+standard library sources (no download); the `bf16_` configurations' logits are bfloat16
+too, the loss float32. What it reports and how to run it: README.md."""
 
 import argparse
 import glob

@@ -1,25 +1,8 @@
-"""Two-stage pipeline on two GPUs: a model that does not fit one capped GPU,
-trained split across two; GPipe micro-batching (M=8) vs the naive split (M=1).
+"""Two-stage pipeline on two GPUs: a model that does not fit one capped GPU, trained
+split across two; GPipe micro-batching against the naive split (one slice).
 
-The model is a stack of MLP blocks (Dense width->hidden, GELU, Dense
-hidden->width) and a 1000-way classifier, trained with Adam. Each GPU is a
-logical GPU capped at `--cap-gib` (its `memory_limit`).
-
-1. `single`: the whole model as one `kvram.Model` on GPU:0 under the cap: does
-   one step fit? (It should not: that is why it is split.)
-2. `pipeline`: `kvram.parallel.PipelineModel(stages, ["GPU:0", "GPU:1"])`, the
-   layers split by `kvram.parallel.balance(by="memory")`. The same model and
-   optimizer are timed with micro_batches=1 (the naive split: GPU:1 waits for
-   GPU:0, then GPU:0 for GPU:1) and micro_batches=M, alternating, `--rounds`
-   times; samples/s is the median over rounds.
-
-`--logical` runs the same on ONE physical GPU split into two logical GPUs (each
-capped): the two stages then share one chip, so pipelining cannot overlap
-compute; it measures the cost of micro-batching itself.
-
-    python benchmarks/pipeline/bench.py --out two_gpus.json
-    CUDA_VISIBLE_DEVICES=0 python benchmarks/pipeline/bench.py --logical --out one_gpu.json
-"""
+The model is a stack of MLP blocks (Dense width->hidden, GELU, Dense hidden->width)
+and a 1000-way classifier, trained with Adam. How to run it: README.md."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""`kvram plan --measure` on the GPU: predicted vs measured peak of
-the recommended configuration, under logical memory caps, for
-keras.applications models at a training batch.
-
-Each (model, cap) runs in its own process, with the GPU made a logical device
-of the cap's size (TensorFlow then cannot allocate beyond it) before
-TensorFlow starts. With --try-all, every configuration of the recommended
-precision is trained too (until --budget-seconds are spent), to find the
-fastest. A child (--child)
-writes its result to --out after each measurement, so a run cut short keeps
-what it measured.
-
-    python benchmarks/plan/bench.py --model ResNet50 --cap 16GiB --cap 48GiB \\
-        --batch-size 256 --out plan_h200.json
-"""
+"""`kvram plan --measure` on the GPU: predicted vs measured peak of the recommended
+configuration, under logical memory caps, for keras.applications models at a
+training batch. A child (`--child`) writes its result to `--out` after each
+measurement, so a run cut short keeps what it measured. How to run it: README.md."""
 
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
-"""Where a ResNet50 or ViT-B/16 training step's time goes: TensorFlow/Keras vs PyTorch, on the GPU.
+"""Where a ResNet50, ViT-B/16 or decoder training step's time goes: TensorFlow/Keras vs PyTorch, on the GPU.
 
-Each configuration runs in its own process: build, compile, warm up, time
-`--steps` steps without the profiler (img/s), then profile `--profile-steps`
-steps (TF: `tf.profiler.experimental`, CUPTI; PyTorch: `torch.profiler`) and
-sort every GPU kernel into a kind of work (`kernels.py`): convolution forward /
-backward-data / backward-filter, batch norm, element-wise, optimizer update,
-loss-scaling checks, layout transposes, copies, and the GPU's idle time inside
-the profiled window (host gaps between launches). XLA configurations also dump
-the optimized HLO (`XLA_FLAGS=--xla_dump_to`), so that each fused kernel can be
-traced back to the Keras layer it came from: for ViT-B and the decoder the top
-kernels carry their HLO instruction's result shape, opcode and TensorFlow op
-name (`hlo_shape`, `hlo_opcode`, `tf_op`).
-
-    python benchmarks/profile/step.py --model resnet50 --only torch_fp16_compile --only kvram_fast
-    python benchmarks/profile/step.py --model vit --only kvram_fast --raw-dir raw/  # keep kernels + HLO too
-    python benchmarks/profile/step.py --model decoder --decoder gpt2 --batch 8 --only kvram_fast --only torch_compile
-
-Configurations: those of the model's suite (`benchmarks/<model>/bench.py`: its models, data and
-PyTorch steps). For the transformers (`--model vit`, `--model decoder`) each kernel's time is also
-given by part of the transformer (`kernels.by_part`: attention, LayerNorm, MLP, optimizer, ...,
-GEMM or not), for XLA kernels from their HLO instruction's op name (the step's HLO is always
-dumped for them); for the decoder `img_per_s` is rows/s and `tokens_per_s` is reported too.
-"""
+Each configuration (those of the model's suite, `benchmarks/<model>/bench.py`) runs in
+its own process: timed steps without the profiler, then profiled steps whose GPU kernels
+`kernels.py` sorts into kinds of work. XLA configurations also dump the optimized HLO
+(`--xla_dump_to`): for the transformers each top kernel carries its HLO instruction's
+shape, opcode and TensorFlow op name (`hlo_shape`, `hlo_opcode`, `tf_op`), and
+`kernels.by_part` gives the time by part; for the decoder `img_per_s` is rows/s and
+`tokens_per_s` is reported too. How to run it: README.md."""
 
 from __future__ import annotations
 
@@ -137,7 +122,7 @@ def run_torch(name, settings, args):
     else:
         from benchmarks.resnet50.bench import torch_step
 
-        step = torch_step(settings, batch)
+        step, _ = torch_step(settings, batch)
     timed = timed_torch_steps(step, args.steps, args.warmup)
     result = {
         "settings": settings,

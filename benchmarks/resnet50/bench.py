@@ -1,16 +1,10 @@
 """ResNet50 training on one GPU: plain Keras, kvram and PyTorch, in one run.
 
-Each configuration runs in its own process (clean allocator statistics) on one
-synthetic batch of 224x224 images with SGD(0.01, momentum 0.9), and reports
-images/s over the timed steps after warm-up and the framework allocator's peak
-during them (TensorFlow's `get_memory_info("GPU:0")["peak"]`, PyTorch's
-`max_memory_allocated()`; both count weights, gradients and optimizer state).
-PyTorch's batch stays on the GPU; TensorFlow's, as any `tf.data` input, is held
-on the host and copied to the GPU every step (154 MB of float32 at batch 256).
-
-    python benchmarks/resnet50/bench.py --out benchmarks/results/resnet50_h200.json
-    python benchmarks/resnet50/bench.py --only kvram_fast --batch 8 --steps 2 --warmup 1 --device CPU:0
-"""
+Peaks are TensorFlow's `get_memory_info("GPU:0")["peak"]` and PyTorch's
+`max_memory_allocated()` (both count weights, gradients and optimizer state).
+PyTorch's batch stays on the GPU; TensorFlow's, as any `tf.data` input, is held on the
+host and copied to the GPU every step (154 MB of float32 at batch 256). The
+configurations and how to run them: README.md."""
 
 from __future__ import annotations
 
@@ -20,7 +14,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import add_xla_flags, set_kvram_switches, timed_fit, timed_torch_steps, training_main  # noqa: E402
+from benchmarks.common import image_runners, set_kvram_switches, training_main  # noqa: E402
 
 # name: (framework, label, settings)
 CONFIGS = {
@@ -68,25 +62,8 @@ def build_tf(settings, batch, device, image_size=224):
     return model, tf.data.Dataset.from_tensors((x, y)).repeat()
 
 
-def run_tf(settings, args):
-    add_xla_flags(settings)  # before TensorFlow starts
-    import keras
-
-    model, data = build_tf(settings, args.batch, args.device)
-    timed = timed_fit(model, data, args.steps, args.warmup, [args.device])
-    return {
-        "img_per_s": args.batch * timed["steps"] / timed["seconds"],
-        "peak_gib": timed["peak_gib"][args.device],
-        "final_loss": timed["loss"],
-        "timed_steps": timed["steps"],
-        "steps_per_execution": int(model.steps_per_execution),
-        "dtype_policy": keras.config.dtype_policy().name,
-        "parameters": model.count_params(),
-    }
-
-
 def torch_step(settings, batch):
-    """One PyTorch training step of a configuration, as a function returning the loss."""
+    """(step, model) of a PyTorch configuration; `step()` trains one batch and returns its loss."""
     import torch
     import torchvision
     from torch.utils.checkpoint import checkpoint_sequential
@@ -122,21 +99,11 @@ def torch_step(settings, batch):
         scaler.update()
         return loss
 
-    return step
-
-
-def run_torch(settings, args):
-    timed = timed_torch_steps(torch_step(settings, args.batch), args.steps, args.warmup)
-    return {
-        "img_per_s": args.batch * args.steps / timed["seconds"],
-        "peak_gib": timed["peak_gib"],
-        "final_loss": timed["loss"],
-        "first_step_s": timed["first_step_s"],
-    }
+    return step, model
 
 
 def main():
-    training_main(__doc__, __file__, "resnet50-train", CONFIGS, {"tf": run_tf, "torch": run_torch},
+    training_main(__doc__, __file__, "resnet50-train", CONFIGS, image_runners(build_tf, torch_step),
                   {"batch": 256, "steps": 320, "warmup": 80})
 
 

@@ -1,15 +1,8 @@
 """ViT-B/16 training on one GPU: plain Keras, kvram and PyTorch, in one run.
 
-Each configuration runs in its own process on one synthetic batch of 224x224
-images with AdamW (lr 1e-4), and reports images/s over the timed steps after
-warm-up and the framework allocator's peak during them (weights, gradients and
-optimizer state included). The TensorFlow model is `models/vit.py` (ViT-B/16,
-86.6 M parameters), PyTorch's torchvision's `vit_b_16`. PyTorch's batch stays on
-the GPU; TensorFlow's is held by `tf.data` on the host and copied every step.
-
-    python benchmarks/vit/bench.py --out benchmarks/results/vit_h200.json
-    python benchmarks/vit/bench.py --only kvram_fast --batch 2 --steps 2 --warmup 1 --device CPU:0
-"""
+The TensorFlow model is `models/vit.py` (86.6 M parameters), PyTorch's torchvision's
+`vit_b_16`. PyTorch's batch stays on the GPU; TensorFlow's is held by `tf.data` on the
+host and copied every step. The configurations and how to run them: README.md."""
 
 from __future__ import annotations
 
@@ -19,7 +12,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import add_xla_flags, set_kvram_switches, timed_fit, timed_torch_steps, training_main  # noqa: E402
+from benchmarks.common import image_runners, set_kvram_switches, training_main  # noqa: E402
 
 # what kvram's fast configurations share: MemoryEfficientAttention as cuDNN's fused attention in
 # XLA's step, kvram.speed.lean_activations, bf16
@@ -72,23 +65,6 @@ def build_tf(settings, batch, device):
     return model, tf.data.Dataset.from_tensors((x, y)).repeat()
 
 
-def run_tf(settings, args):
-    add_xla_flags(settings)  # before TensorFlow starts
-    import keras
-
-    model, data = build_tf(settings, args.batch, args.device)
-    timed = timed_fit(model, data, args.steps, args.warmup, [args.device])
-    return {
-        "img_per_s": args.batch * timed["steps"] / timed["seconds"],
-        "peak_gib": timed["peak_gib"][args.device],
-        "final_loss": timed["loss"],
-        "timed_steps": timed["steps"],
-        "steps_per_execution": int(model.steps_per_execution),
-        "dtype_policy": keras.config.dtype_policy().name,
-        "parameters": model.count_params(),
-    }
-
-
 def torch_step(settings, batch):
     """(step, model) of a PyTorch configuration: torchvision's vit_b_16, AdamW,
     autocast; `step()` runs one training step and returns its loss."""
@@ -118,20 +94,8 @@ def torch_step(settings, batch):
     return step, model
 
 
-def run_torch(settings, args):
-    step, model = torch_step(settings, args.batch)
-    timed = timed_torch_steps(step, args.steps, args.warmup)
-    return {
-        "img_per_s": args.batch * args.steps / timed["seconds"],
-        "peak_gib": timed["peak_gib"],
-        "final_loss": timed["loss"],
-        "first_step_s": timed["first_step_s"],
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
-
-
 def main():
-    training_main(__doc__, __file__, "vit_b16-train", CONFIGS, {"tf": run_tf, "torch": run_torch},
+    training_main(__doc__, __file__, "vit_b16-train", CONFIGS, image_runners(build_tf, torch_step),
                   {"batch": 256, "steps": 160, "warmup": 40})
 
 
