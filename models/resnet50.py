@@ -14,6 +14,7 @@ from keras import layers
 import kvram
 
 STAGES = ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))  # filters, blocks, stride
+BLOCKS = tuple(blocks for _, blocks, _ in STAGES)
 
 
 def _recomputed(layers_, input_shape, name):
@@ -92,7 +93,8 @@ def _parts(value):
 
 
 def resnet50(
-    input_shape=(224, 224, 3), classes: int = 1000, checkpoint=ALL, recompute=(), conv_bias: bool = True
+    input_shape=(224, 224, 3), classes: int = 1000, checkpoint=ALL, recompute=(), conv_bias: bool = True,
+    blocks=BLOCKS,
 ) -> keras.Model:
     """ResNet50 as a `kvram.Model`.
 
@@ -111,7 +113,11 @@ def resnet50(
             has; without them (each is followed by a BatchNormalization, which
             subtracts it again while training) the model is torchvision's
             `resnet50`, 25,557,032 parameters.
+        blocks: the bottleneck blocks of each of the four stages: ResNet50's
+            (3, 4, 6, 3) by default; fewer make a smaller model of the same parts.
     """
+    if len(blocks) != len(STAGES) or any(not isinstance(n, int) or n < 1 for n in blocks):
+        raise ValueError(f"blocks must be {len(STAGES)} positive ints, one per stage. Received: {blocks!r}")
     parts = _parts(checkpoint)
     selective = _parts(recompute)
 
@@ -123,8 +129,8 @@ def resnet50(
 
     inputs = keras.Input(input_shape)
     x = wrap(_stem(input_shape, cheap("stem"), conv_bias), "stem")(inputs)
-    for stage, (filters, blocks, stride) in enumerate(STAGES, start=2):
-        for i in range(1, blocks + 1):
+    for stage, ((filters, _, stride), count) in enumerate(zip(STAGES, blocks), start=2):
+        for i in range(1, count + 1):
             block = _bottleneck(
                 tuple(x.shape[1:]), filters, stride if i == 1 else 1, i == 1,
                 name=f"conv{stage}_block{i}", recompute=cheap(stage), bias=conv_bias,
