@@ -40,7 +40,7 @@ def test_demo_small_runs_and_prints_table(capsys, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py): 33-39 s of training
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py): ~23 s of training
 def test_demo_loss_falls_from_the_first_step_on_a_deep_wide_model(tmp_path, request):
     """12 blocks of width 512 (the GPU demo's depth): with Keras's default initialisation under
     Adam(1e-3) the loss rose from 3.07 to 7.83 in four steps before it fell (as on an H200 at width
@@ -48,12 +48,13 @@ def test_demo_loss_falls_from_the_first_step_on_a_deep_wide_model(tmp_path, requ
     if in_own_process(request):
         return
     path = tmp_path / "demo.json"
-    assert cli.main(["demo", "--device", "CPU:0", "--epochs", "2", "--samples", "2048", "--batch-size", "256",
+    # 1024 samples: 4 steps an epoch (the rise took four steps), 23 s instead of 33 at 2048
+    assert cli.main(["demo", "--device", "CPU:0", "--epochs", "2", "--samples", "1024", "--batch-size", "256",
                      "--width", "512", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     for run in ("plain", "kvram"):
         losses = result[run]["losses"]  # each epoch's running mean, step by step
-        assert len(losses) == 16 and max(losses) <= losses[0] and losses[-1] < losses[0] - 0.1, losses
+        assert len(losses) == 8 and max(losses) <= losses[0] and losses[-1] < losses[0] - 0.1, losses
 
 
 def test_demo_limits_the_gpu_before_anything_runs_and_refuses_to_run_unlimited(monkeypatch):
