@@ -67,7 +67,11 @@ def test_mixed_precision_example_learns_in_every_policy(request):
     assert results["mixed_float16"]["loss_scale"] and results["mixed_bfloat16"]["loss_scale"] is None
 
 
-@pytest.mark.alone
+# Beside the suite, not alone: on the CPU both plan and train on the graph executor, not XLA (whose
+# CPU checks choose otherwise under load): with two busy-looping processes beside them they passed
+# three runs of three (2026-12-05), one printed at 0.97x (MobileNet) and 0.79x (GPT-2) of their
+# budgets, where without load they trained at 0.97x and 0.73x
+@pytest.mark.own_process
 @pytest.mark.parametrize("example", ["fit_a_budget", "transformer_budget"])
 def test_budget_example_trains_within_its_budget(example, request):
     if in_own_process(request):  # the allocator's peak while training, in a process of its own
