@@ -7,7 +7,7 @@ import tempfile
 
 # A pytest-xdist worker's start-up (importing TensorFlow, collecting) counts as a test for the
 # tests marked alone (`_alone_across_workers`): until its collection ends it holds the shared lock
-# those wait on, so that none runs beside it.
+# those wait on, so that the first of them, first in the suite, does not run beside it.
 _STARTING = []
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("KVRAM_TEST_LOCKS"):
     _STARTING.append(open(os.path.join(os.environ["KVRAM_TEST_LOCKS"], "held"), "a"))
@@ -80,16 +80,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
         if "multi_gpu" in item.keywords and _GPUS < 2:
             item.add_marker(pytest.mark.skip(reason="needs two GPUs"))
-    # In one process the tests marked alone go first: their children then run before the
+    # The tests marked alone go first: their children then run before the
     # own_process children start (pytest_collection_finish), where each would
     # wait for the running child to end (helpers._Ahead.quiet) while the suite
-    # stood still: 930 s of a 3413-s clean-clone suite on 2 cores. Under pytest-xdist
-    # they go last, where one worker has finished its share and its core would idle
-    # anyway; first, the other worker waited them out (the first ~25 s of the suite).
-    if _worker():
-        items.sort(key=_alone)  # stable: the suite's order otherwise
-    else:
-        items.sort(key=lambda item: not _alone(item))
+    # stood still: 930 s of a 3413-s clean-clone suite on 2 cores.
+    items.sort(key=lambda item: not _alone(item))  # stable: the suite's order otherwise
 
 
 # Under pytest-xdist (`-n 2`) each worker is a process of its own; the folder of the
