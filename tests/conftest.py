@@ -5,12 +5,21 @@ import os
 import shutil
 import tempfile
 
+# Under pytest-xdist (`-n 2`) each worker is a process of its own; the folder of the
+# lock files that keep a test marked alone from running beside another worker's test.
+_LOCKS = "KVRAM_TEST_LOCKS"
+
+
+def _worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
 # A pytest-xdist worker's start-up (importing TensorFlow, collecting) counts as a test for the
 # tests marked alone (`_alone_across_workers`): until its collection ends it holds the shared lock
 # those wait on, so that the first of them, first in the suite, does not run beside it.
 _STARTING = []
-if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("KVRAM_TEST_LOCKS"):
-    _STARTING.append(open(os.path.join(os.environ["KVRAM_TEST_LOCKS"], "held"), "a"))
+if _worker() and os.environ.get(_LOCKS):
+    _STARTING.append(open(os.path.join(os.environ[_LOCKS], "held"), "a"))
     fcntl.flock(_STARTING[0], fcntl.LOCK_SH)
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -87,11 +96,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not _alone(item))  # stable: the suite's order otherwise
 
 
-# Under pytest-xdist (`-n 2`) each worker is a process of its own; the folder of the
-# lock files that keep a test marked alone from running beside another worker's test.
-_LOCKS = "KVRAM_TEST_LOCKS"
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """Without `-n` on the command line, pytest-xdist's `-n auto` (`pytest_xdist_auto_num_workers`):
@@ -114,10 +118,6 @@ def pytest_xdist_auto_num_workers(config):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 0 if cores < 2 or _GPUS else 2
-
-
-def _worker() -> bool:
-    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
 _MADE_LOCKS = []  # the folder this process made (pytest-xdist's controller), which it removes
