@@ -118,7 +118,7 @@ def test_resnet50_recomputing_batch_norm_and_relu_only(request):
     everything, and (under XLA) not one convolution more than no recomputation,
     where checkpointing whole blocks recomputes their convolutions. On ResNet50's
     parts with fewer blocks (`blocks=(2, 1, 1, 1)`: the stem, identity and
-    projection shortcuts, every stage): 35 CPU-s instead of 63 on 2 cores; peaks
+    projection shortcuts, every stage): 32 CPU-s instead of ~63 on 2 cores; peaks
     here 156.8 (plain), 135.3 (selective), 120.5 MiB (full).
 
     Its own process: in the suite's, allocations of earlier tests' threads land

@@ -288,5 +288,6 @@ def main(argv=None):
     record.update(versions=versions(), gpu=gpu_name(), cpu_cores=os.cpu_count(), avx512=avx512)
     write_result(args.out, record)
 
+
 if __name__ == "__main__":
     main()
