@@ -237,9 +237,23 @@ def image_runners(build_tf, torch_step) -> dict:
     return {"tf": run_tf, "torch": run_torch}
 
 
+def run_child(command, timeout=None, env=None, cwd=None) -> tuple[list, str | None, str]:
+    """Runs `command`, a suite's child process. Returns the JSON records it printed (each on
+    a line that holds `RESULT `: its own, or a worker's under `kvram launch`), why it failed
+    (None where it exited 0 with a record; else its output's tail or the time limit it ran
+    past), and its stderr."""
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return [], f"timed out after {timeout} s", ""
+    records = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    failed = proc.returncode or not records
+    return records, (proc.stderr or proc.stdout)[-3000:] if failed else None, proc.stderr
+
+
 def run_children(script: str, names, args, describe, timeout=None, environment=None) -> dict:
     """Runs `script --child NAME ARGS...` for each name, one process each (clean
-    allocator statistics), and collects the JSON each prints on a `RESULT` line.
+    allocator statistics), and collects each one's record (`run_child`).
     `describe(result)` formats a line of progress; `timeout` (seconds), if
     given, stops a child that runs longer (its result is then the error);
     `environment(name)`, if given, is the child's environment (None: this
@@ -247,24 +261,14 @@ def run_children(script: str, names, args, describe, timeout=None, environment=N
     results = {}
     for name in names:
         started = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                [sys.executable, script, "--child", name, *map(str, args)], capture_output=True, text=True,
-                timeout=timeout, env=environment(name) if environment else None,
-            )
-        except subprocess.TimeoutExpired:
-            proc = subprocess.CompletedProcess([], 1, "", f"timed out after {timeout} s")
-        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode or not line:
-            results[name] = {"error": (proc.stderr or proc.stdout)[-3000:]}
-        else:
-            results[name] = json.loads(line[-1][len("RESULT "):])
+        records, error, stderr = run_child([sys.executable, script, "--child", name, *map(str, args)],
+                                           timeout, environment(name) if environment else None)
+        r = results[name] = {"error": error} if error else records[-1]
         # kvram's stage lines ("[   12.3 s] ..." on stderr: remat.plan's, estimate's), kept
-        stages = [l for l in proc.stderr.splitlines() if re.match(r"\[\s*[0-9.]+ s\] ", l)]
+        stages = [l for l in stderr.splitlines() if re.match(r"\[\s*[0-9.]+ s\] ", l)]
         if stages:
-            results[name]["stages"] = stages
-        results[name]["wall_s"] = time.perf_counter() - started
-        r = results[name]
+            r["stages"] = stages
+        r["wall_s"] = time.perf_counter() - started
         text = f"FAILED: {r['error'][-400:]}" if "error" in r else describe(r)
         print(f"{name:26} {text}  ({r['wall_s']:.0f} s)", flush=True)
     return results
@@ -314,7 +318,7 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
         child_result({"label": label, "framework": framework, "settings": settings, "versions": versions(),
                       **measured})
         return
-    forwarded = _without_values(sys.argv[1:], ("--out", "--only"))
+    forwarded = without_options(sys.argv[1:], ("--out", "--only"))
     results = {}
     for name in args.only or list(configs):  # the file is written after each: a run cut short keeps the rest
         results.update(run_children(
@@ -342,7 +346,7 @@ def _report(benchmark, script, rate, args, describe_run, results) -> dict:
     }
 
 
-def _without_values(argv, names) -> list:
+def without_options(argv, names) -> list:
     """`argv` without the options `names` and their values (`--out x`, `--out=x`)."""
     kept, skip = [], False
     for item in argv:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import cap_first_gpu, commit, gpu_name, result_header  # noqa: E402
+from benchmarks.common import cap_first_gpu, commit, gpu_name, result_header, run_child, write_result  # noqa: E402
 PARTS = ("by_hand", "adaptive", "fixed", "find")
 
 
@@ -91,31 +90,6 @@ def bisect(fits, good, bad, precision):
         else:
             bad = middle
     return good, bad
-
-
-def run_part(command, log_path, timeout, echo):
-    """Runs one part in a process of its own, its output to `log_path`; echoes
-    the lines starting with `echo`. Returns (its RESULT record, or an error
-    record with the log's tail; wall seconds)."""
-    started = time.perf_counter()
-    with open(log_path, "w") as log:
-        try:
-            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-            returncode = done.returncode
-        except subprocess.TimeoutExpired:
-            returncode = None
-    with open(log_path) as log:
-        lines = log.read().splitlines()
-    for line in lines:
-        if line.startswith(echo):
-            print(line, flush=True)
-    results = [line for line in lines if line.startswith("RESULT ")]
-    if results:
-        record = json.loads(results[-1][len("RESULT "):])
-    else:
-        why = f"timed out after {timeout} s" if returncode is None else f"exit {returncode}"
-        record = {"error": why, "log_tail": lines[-30:]}
-    return record, time.perf_counter() - started
 
 
 class StepClock:
@@ -261,18 +235,14 @@ def main(argv=None):
                 continue
             command += ["--rows", str(rows)]
         print(f"== {part}: {' '.join(command[1:])}", flush=True)
-        record, seconds = run_part(
-            command, f"{os.path.splitext(args.out)[0]}_{part}.log", args.timeout,
-            ("AdaptiveBatchSize", "find_max", "by_hand"),
-        )
-        record["wall_seconds"] = seconds
-        record["commit"] = commit()
-        results[part] = record
+        started = time.perf_counter()
+        records, error, _ = run_child(command, args.timeout)
+        record = results[part] = {"error": error} if error else records[-1]
+        record.update(wall_seconds=time.perf_counter() - started, commit=commit())
         print(json.dumps({k: v for k, v in record.items() if k not in ("probes", "events")}),
               flush=True)
-        with open(args.out, "w") as handle:
-            json.dump({**result_header("adaptive", __file__), "gpu": gpu_name(), "limit_gib": args.limit_gib,
-                       "parts": results}, handle, indent=1)
+        write_result(args.out, {**result_header("adaptive", __file__), "gpu": gpu_name(),
+                                "limit_gib": args.limit_gib, "parts": results})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ The model, the search and how to run it: README.md."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -13,7 +12,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import cap_first_gpu, child_result, gpu_name, run_children, versions  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    cap_first_gpu, child_result, gpu_name, result_header, run_children, versions, without_options, write_result,
+)
 
 WIDTH, HEADS, KEY_DIM = 512, 8, 64
 
@@ -141,23 +142,18 @@ def main():
     if args.child:
         child_result(child(args.child, args))
         return
-    passthrough = list(sys.argv[1:])
-    if "--out" in passthrough:
-        i = passthrough.index("--out")
-        del passthrough[i : i + 2]
     results = run_children(
-        __file__, args.only or ["mha", "mea"], passthrough,
+        __file__, args.only or ["mha", "mea"], without_options(sys.argv[1:], ("--out",)),
         lambda r: f"longest that trains {r['longest_that_trains']}, fails at {r['shortest_that_fails']}",
     )
     report = {
-        "benchmark": "attention-longest-sequence",
+        **result_header("attention-longest-sequence", __file__),
         "gpu": gpu_name(),
         "cap_gib": args.cap_gib,
         "model": f"self-attention {HEADS}x{KEY_DIM} on width {WIDTH} + Dense, Adam, mse, batch 1",
         "chunk_size": args.chunk_size,
         "causal": args.causal,
         "jit_compile": args.jit,
-        "command": "python " + " ".join(sys.argv),
         "results": results,
     }
     mha, mea = results.get("mha", {}), results.get("mea", {})
@@ -169,9 +165,7 @@ def main():
             if "median_s" in t and "median_s" in mea["time_per_step"].get(length, {})
         }
         print("length ratio", report["length_ratio"], "time ratio", report["time_ratio"], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

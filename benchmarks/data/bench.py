@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -22,7 +21,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import gpu_name, result_header, versions, write_result  # noqa: E402
+from benchmarks.common import child_result, gpu_name, result_header, run_child, versions, write_result  # noqa: E402
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
@@ -241,10 +240,8 @@ def train(args):
     for source in ("memory", "shards"):
         command = [sys.executable, os.path.abspath(__file__), "train-child", "--dir", directory,
                    "--source", source, "--batch", str(args.batch), "--epochs", str(args.epochs)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-        results[source] = json.loads(lines[-1][7:]) if lines else {
-            "error": f"exit {done.returncode}", "stderr_tail": done.stderr[-2000:]}
+        records, error, _ = run_child(command, args.timeout)
+        results[source] = {"error": error} if error else records[-1]
         print(source, json.dumps(results[source]), flush=True)
     if "img_per_s" in results.get("shards", {}) and "img_per_s" in results.get("memory", {}):
         results["img_per_s_ratio_shards_over_memory"] = (
@@ -280,7 +277,7 @@ def main(argv=None):
     p_child.add_argument("--epochs", type=int)
     args = parser.parse_args(argv)
     if args.command == "train-child":
-        print("RESULT " + json.dumps(train_child(args)), flush=True)
+        child_result(train_child(args))
         return
     record = {**result_header(f"data-{args.command}", __file__), **{"io": io, "train": train}[args.command](args)}
     with open("/proc/cpuinfo") as cpuinfo:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import gpu_name, timed_fit, versions  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    gpu_name, result_header, run_child, timed_fit, versions, without_options, write_result,
+)
 
 
 def child(args):
@@ -35,12 +36,6 @@ def child(args):
     elif args.cpu and args.config in ("mirrored", "keras_mirrored"):
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    elif args.logical and args.config in ("mirrored", "keras_mirrored"):
-        # two logical GPUs on the first GPU: the strategy's code paths (XLA's
-        # collectives included) on one chip; the speed means nothing
-        gpu = tf.config.list_physical_devices("GPU")[0]
-        half = tf.config.LogicalDeviceConfiguration(memory_limit=int(args.logical * 1024))
-        tf.config.set_logical_device_configuration(gpu, [half, half])
     import keras
 
     import kvram
@@ -117,11 +112,6 @@ def main():
     parser.add_argument("--jit", action="store_true", help="jit_compile=True on the CPU too")
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="kvram's micro_batch_size (its own fused step) for the kvram configurations")
-    parser.add_argument("--logical", type=float, default=0, metavar="GIB",
-                        help="MirroredStrategy over two logical GPUs of GIB each on the first GPU "
-                             "(does it train; not a speed). Under XLA it did not, for kvram or plain "
-                             "Keras: replica 1's compiled step ran on GPU:0 and could "
-                             "not read its variables on GPU:1, as on logical CPUs")
     parser.add_argument("--input", choices=("global", "per-replica"), default="global",
                         help="global: one dataset of global batches, split by the strategy on the "
                              "host; per-replica: each replica's batch from its own dataset "
@@ -132,12 +122,11 @@ def main():
     if args.config:
         return child(args)
 
-    passed = [a for a in sys.argv[1:] if not a.startswith("--out") and a != args.out]
+    passed = without_options(sys.argv[1:], ("--out",))
     report = {
-        "benchmark": "data-parallel-resnet50",
+        **result_header("data-parallel-resnet50", __file__),
         "gpu": gpu_name(),
         "versions": versions(),
-        "command": "python " + " ".join(["benchmarks/distribute/bench.py"] + sys.argv[1:]),
         "batch_per_replica": args.batch,
         "input": args.input,
         "image_size": args.image_size,
@@ -156,21 +145,11 @@ def main():
             command = [sys.executable, "-m", "kvram", "launch", "--workers", "2",
                        "--gpus", "none" if args.cpu else "auto", "--", *command]
         started = time.perf_counter()
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT,
-                                  timeout=args.seconds_each)
-            output, code = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as error:
-            output, code = f"stopped after {args.seconds_each} s: {str(error.stdout or '')[-2000:]}", None
-        lines = [line.split("RESULT ", 1)[1] for line in output.splitlines() if "RESULT " in line]
-        results = [json.loads(line) for line in lines]
-        if config == "mwms" and results:
-            entry = dict(min(results, key=lambda r: r.get("worker", 0)))
-            entry["workers_img_per_s"] = [r["img_per_s"] for r in sorted(results, key=lambda r: r.get("worker", 0))]
-        elif results:
-            entry = results[-1]
-        else:
-            entry = {"error": f"exit {code}", "output_tail": output[-3000:]}
+        results, error, _ = run_child(command, args.seconds_each, env, ROOT)
+        results.sort(key=lambda r: r.get("worker", 0))  # mwms: worker 0's timing, and each worker's img/s
+        entry = {"error": error} if error else dict(results[0])
+        if config == "mwms" and not error:
+            entry["workers_img_per_s"] = [r["img_per_s"] for r in results]
         entry["wall_seconds"] = time.perf_counter() - started
         report["results"][config] = entry
         rates = {k: r.get("img_per_s") for k, r in report["results"].items()}
@@ -179,12 +158,8 @@ def main():
                 record["scaling"] = rates[name] / rates["single"]
         if rates.get("mirrored") and rates.get("mwms"):
             report["mwms_over_mirrored"] = rates["mwms"] / rates["mirrored"]
-        print(config, json.dumps({k: v for k, v in entry.items() if k != "output_tail"}), flush=True)
-        if "error" in entry:
-            print(entry["output_tail"][-1500:], flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
+        print(config, json.dumps(entry), flush=True)
+        write_result(args.out, report)
     return 0
 
 

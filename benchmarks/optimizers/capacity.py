@@ -25,14 +25,15 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import cap_first_gpu, child_result, gpu_name, result_header, versions, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    cap_first_gpu, child_result, gpu_name, result_header, run_child, versions, without_options, write_result,
+)
 
 CONFIGS = {
     "keras_adamw": "Keras AdamW, mixed_bfloat16 (float32 weights, gradients, moments), a Checkpoint on every block",
@@ -177,23 +178,15 @@ def main():
     if args.child:
         name, _, depth = args.child.partition(":")
         return child(name, int(depth), args)
-    forwarded = [a for a in sys.argv[1:]]
-    if "--out" in forwarded:
-        i = forwarded.index("--out")
-        del forwarded[i:i + 2]
+    forwarded = without_options(sys.argv[1:], ("--out",))
     runs = []
     for name, depth in _runs(args.runs):
         started = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, __file__, *forwarded, "--child", f"{name}:{depth}"],
-                                  capture_output=True, text=True, timeout=args.timeout)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            run = (json.loads(lines[-1][len("RESULT "):]) if lines and not proc.returncode else
-                   {"trained": False, "error": _first_error_line(proc.stderr or proc.stdout),
-                    # the line above can be a bare C++ frame (XLA's status macros): what the error said
-                    "error_tail": _error_tail(proc.stderr or proc.stdout)})
-        except subprocess.TimeoutExpired:
-            run = {"trained": False, "error": f"timed out after {args.timeout} s"}
+        records, error, _ = run_child([sys.executable, __file__, *forwarded, "--child", f"{name}:{depth}"],
+                                      args.timeout)
+        # the first error line can be a bare C++ frame (XLA's status macros): the tail says what the error was
+        run = {"trained": False, "error": _first_error_line(error), "error_tail": _error_tail(error)} if error \
+            else records[-1]
         run.update(config=name, depth=depth, wall_s=time.perf_counter() - started)
         runs.append(run)
         text = (f"{run['parameters'] / 1e9:.2f} B parameters, {run['tokens_per_s']:.0f} tokens/s, "

@@ -7,7 +7,6 @@ and a 1000-way classifier, trained with Adam. How to run it: README.md."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -15,7 +14,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from benchmarks.common import gpu_name, timed_fit, versions  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    child_result, gpu_name, result_header, run_child, timed_fit, versions, write_result,
+)
 
 
 def main():
@@ -41,12 +42,8 @@ def main():
     args = parser.parse_args()
     single = None
     if not args.skip_single and not args.single_child:
-        import subprocess
-
-        proc = subprocess.run([sys.executable, __file__, "--single-child", *sys.argv[1:]],
-                              capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("SINGLE ")]
-        single = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-2000:]}
+        records, error, _ = run_child([sys.executable, __file__, "--single-child", *sys.argv[1:]])
+        single = {"error": error} if error else records[-1]
         print("whole model on one capped device:", single, flush=True)
 
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -93,7 +90,7 @@ def main():
     y = rng.integers(0, 1000, args.batch)
     data = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(2)
     report = {
-        "benchmark": "pipeline-two-stages",
+        **result_header("pipeline-two-stages", __file__),
         "gpu": gpu_name(),
         "versions": versions(),
         "mode": "cpu" if args.cpu else ("one GPU split into two logical GPUs" if args.logical else "two GPUs"),
@@ -101,7 +98,6 @@ def main():
         "cap_gib_per_device": args.cap_gib,
         "model": {"width": args.width, "hidden": args.hidden, "blocks": args.blocks},
         "batch": args.batch,
-        "command": "python " + " ".join(sys.argv),
         "single_device": single,
     }
 
@@ -122,7 +118,7 @@ def main():
                 raise
             result.update(fits=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         result["seconds"] = time.perf_counter() - started
-        print("SINGLE " + json.dumps(result), flush=True)
+        child_result(result)
         return
 
     # 2. Split over the two devices.
@@ -166,9 +162,7 @@ def main():
     }
     print(f"naive {naive:.0f} samples/s, pipelined (M={m}) {piped:.0f}: {piped / naive:.2f}x "
           f"(GPipe ideal {k * m / (m + k - 1):.2f}x)", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_result(args.out, report)
 
 
 def _apply(layers, x):

@@ -8,12 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cap_first_gpu, gpu_name, result_header, versions, write_result  # noqa: E402
+from common import cap_first_gpu, child_result, gpu_name, result_header, run_child, versions, write_result  # noqa: E402
 
 
 def child(args) -> dict:
@@ -35,9 +34,7 @@ def child(args) -> dict:
         result.update(entries)
         result["seconds"] = round(time.perf_counter() - began, 1)
         print(f"[{result['seconds']} s] {', '.join(entries)} saved", flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+        write_result(args.out, result)
 
     micro = None if args.micro_batch_sizes is None else [
         int(m) for m in args.micro_batch_sizes.split(",") if m != "none"]
@@ -96,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         args.model, args.cap = args.model[0], args.cap[0]
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        child_result(child(args))
         return
     import keras  # noqa: F401  (versions() reports the imported ones)
     import tensorflow as tf  # noqa: F401
@@ -110,13 +107,8 @@ def main() -> None:
                        "--budget-seconds", str(args.budget_seconds), "--out", ""]
             command += ["--try-all"] * args.try_all + ["--no-plain"] * args.no_plain
             command += ["--micro-batch-sizes", args.micro_batch_sizes] if args.micro_batch_sizes else []
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-                lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-                entry = json.loads(lines[-1][7:]) if lines else {
-                    "model": model, "cap": cap, "error": (done.stderr or done.stdout)[-3000:]}
-            except subprocess.TimeoutExpired:
-                entry = {"model": model, "cap": cap, "error": f"timed out after {args.timeout} s"}
+            records, error, _ = run_child(command, args.timeout)
+            entry = {"model": model, "cap": cap, "error": error} if error else records[-1]
             print(json.dumps(entry)[:2000], flush=True)
             runs.append(entry)
             write_result(args.out, {**result_header("plan", __file__), "gpu": gpu_name(), "versions": versions(),

@@ -16,7 +16,6 @@ import gzip
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
-from benchmarks.common import commit, gpu_name, timed_fit, timed_torch_steps, torch_environment, whole_executions  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    child_result, gpu_name, result_header, run_child, timed_fit, timed_torch_steps, torch_environment,
+    whole_executions, write_result,
+)
 
 # the transformer models: each kernel's time also by part (`kernels.by_part`),
 # from the op names of the step's HLO, which is always dumped for them
@@ -188,7 +190,7 @@ def main():
     if args.child:
         framework, settings = configs[args.child]
         runner = run_tf if framework == "tf" else run_torch
-        print("RESULT " + json.dumps(runner(args.child, settings, args)), flush=True)
+        child_result(runner(args.child, settings, args))
         return
     results = {}
     for name in args.only or list(configs):
@@ -206,14 +208,9 @@ def main():
         if args.raw_dir:
             command += ["--raw-dir", args.raw_dir]
         started = time.perf_counter()
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            result = json.loads(lines[-1][7:]) if lines else {"error": (proc.stderr or proc.stdout)[-3000:]}
-        except subprocess.TimeoutExpired:
-            result = {"error": f"timed out after {args.timeout} s"}
+        records, error, _ = run_child(command, args.timeout, env)
+        result = results[name] = {"error": error} if error else records[-1]
         result["wall_s"] = time.perf_counter() - started
-        results[name] = result
         if "error" in result:
             print(f"{name:28} FAILED {result['error'][-600:]}", flush=True)
         else:
@@ -224,12 +221,8 @@ def main():
                   f"idle {prof.get('idle_ms_per_step', 0):.1f} ms | "
                   + " ".join(f"{k}={v:.1f}" for k, v in list(kinds.items())[:8])
                   + f" ({result['wall_s']:.0f} s)", flush=True)
-        if args.out:  # written after every config: a later stall loses nothing
-            with open(args.out, "w") as f:
-                json.dump({"benchmark": f"profile-{args.model}-step", "date": time.strftime("%Y-%m-%d"),
-                           "commit": commit(), "gpu": gpu_name(), "batch": args.batch,
-                           "steps": args.steps, "command": "python " + " ".join(sys.argv),
-                           "results": results}, f, indent=2)
+        write_result(args.out, {**result_header(f"profile-{args.model}-step", __file__), "gpu": gpu_name(),
+                                "batch": args.batch, "steps": args.steps, "results": results})  # after each
 
 
 if __name__ == "__main__":
