@@ -123,6 +123,20 @@ def test_demo_summary_says_what_kvram_bought_when_plain_keras_runs_out():
     assert re.search(r"peak memory \(MiB\) +out of memory +2345.6", table), table
 
 
+def test_demo_summary_claims_no_saving_where_kvram_peaked_no_lower():
+    import importlib
+
+    _demo = importlib.import_module("kvram.cli._demo")
+    result = {"device": "CPU:0", "config": {"batch_size": 512}, "memory_ratio": 1.09, "time_ratio": 1.2,
+              "plain": {"policy": "float32", "out_of_memory": False, "peak_mib": 400.0, "final_loss": 2.3},
+              "kvram": {"policy": "float32", "out_of_memory": False, "peak_mib": 436.0, "final_loss": 2.3}}
+    summary = _demo.summary(result)
+    assert "in 1.09x the peak memory of plain Keras (436.0 vs 400.0 MiB)" in summary, summary
+    assert "lowered no peak at this shape" in summary and "only kvram trains" not in summary, summary
+    result["memory_ratio"], result["kvram"]["peak_mib"] = 0.5, 200.0
+    assert "only kvram trains" in _demo.summary(result)
+
+
 def test_demo_rejects_bad_numbers(capsys):
     import pytest
 
