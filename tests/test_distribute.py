@@ -195,6 +195,7 @@ np.savez(os.path.join(sys.argv[1], f"w{index}.npz"), *[v.numpy() for v in model.
 @pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{"micro_batch_size": 3}], ids=["micro_batches"])
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+@pytest.mark.longest
 def test_multi_worker_killed_worker_resumes_to_the_same_weights(tmp_path, kwargs, request):
     """kvram launch restarts both workers after one is SIGKILLed in the third of
     four epochs; keras.callbacks.BackupAndRestore resumes them from the second

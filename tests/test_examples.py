@@ -55,6 +55,7 @@ def test_two_device_split_example_trains():
 
 
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+@pytest.mark.longest
 def test_mixed_precision_example_learns_in_every_policy(request):
     if in_own_process(request):
         return
@@ -72,7 +73,7 @@ def test_mixed_precision_example_learns_in_every_policy(request):
 # three runs of three (2026-12-05), one printed at 0.97x (MobileNet) and 0.79x (GPT-2) of their
 # budgets, where without load they trained at 0.97x and 0.73x
 @pytest.mark.own_process
-@pytest.mark.parametrize("example", ["fit_a_budget", "transformer_budget"])
+@pytest.mark.parametrize("example", [pytest.param("fit_a_budget", marks=pytest.mark.longest), "transformer_budget"])
 def test_budget_example_trains_within_its_budget(example, request):
     if in_own_process(request):  # the allocator's peak while training, in a process of its own
         return

@@ -712,6 +712,7 @@ def _xla_training_peak(model, x, y, resident):
 
 @pytest.mark.slow
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py): 31-51 s of XLA compiles
+@pytest.mark.longest
 def test_plan_checked_under_xla_fits_three_budgets(request):
     # Under XLA the step's buffers are fixed at compile time: the check's
     # measurement and this one agree, run after run.

@@ -122,7 +122,7 @@ def test_blocks_are_segments_and_the_mask_is_carried_beside_them(name):
 @pytest.mark.slow
 # one transformer family in the default run: the decoder (GPT-2); BERT's, Gemma's and Llama's are extended
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.own_process] + (
-    [] if n == "gpt2" else [pytest.mark.extended])) for n in sorted(MODELS)])
+    [pytest.mark.longest] if n == "gpt2" else [pytest.mark.extended])) for n in sorted(MODELS)])
 def test_planned_transformer_equals_the_model_halves_the_peak_and_holds_a_budget(name, request):
     # In the suite's process the profile read what earlier tests left running too (Gemma: 5 runs
     # predicted at 73.5 MiB, 0.55x plain, where alone 3 runs are predicted at 42.5): its own process.
