@@ -239,14 +239,15 @@ def image_runners(build_tf, torch_step) -> dict:
 
 def run_child(command, timeout=None, env=None, cwd=None) -> tuple[list, str | None, str]:
     """Runs `command`, a suite's child process. Returns the JSON records it printed (each on
-    a line that holds `RESULT `: its own, or a worker's under `kvram launch`), why it failed
+    a line that starts with `RESULT `, or with `[worker I] RESULT ` under `kvram launch`), why it failed
     (None where it exited 0 with a record; else its output's tail or the time limit it ran
     past), and its stderr."""
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     except subprocess.TimeoutExpired:
         return [], f"timed out after {timeout} s", ""
-    records = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    records = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+               if re.match(r"(\[worker \d+\] )?RESULT ", line)]
     failed = proc.returncode or not records
     return records, (proc.stderr or proc.stdout)[-3000:] if failed else None, proc.stderr
 
