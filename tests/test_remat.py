@@ -423,6 +423,58 @@ def test_plan_apply_is_the_same_model_on_the_same_variables(chain_plan):
 
 
 @pytest.mark.slow
+@pytest.mark.own_process  # peaks compared: in the suite's process other tests' leftovers allocate beside them
+def test_a_step_that_does_not_fit_is_measured_in_windows_and_planned_alike(request, monkeypatch, capsys):
+    """Where the unmodified step runs out of memory while it is measured (a 2.5B-parameter LoRA
+    Gemma under 16 GiB), the planner measures it in windows of segments, the others recomputed,
+    and plans from that: here the whole step's measurement fails as on a device too small."""
+    from kvram.remat import _profile
+
+    if in_own_process(request):
+        return
+    keras.utils.set_random_seed(0)
+    model = _dropout_chain()
+    x = tf.constant(np.random.default_rng(0).random((32, 32, 32, 3)).astype("float32"))
+    y = np.arange(32) % 3
+    whole_plan = remat.plan(model, (x, y), loss=_LOSS, verbose=0)
+    measure = _profile._profile_steps
+
+    def out_of_memory_unless_windowed(model, chain, batches, loss_fn, device, plain=None):
+        if plain is None or len(plain) > 4:  # the whole step, and windows of half its 9 segments, "do not fit"
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[32,32,32,64]")
+        return measure(model, chain, batches, loss_fn, device, plain)
+
+    monkeypatch.setattr(_profile, "_profile_steps", out_of_memory_unless_windowed)
+    windowed = remat.plan(model, (x, y), loss=_LOSS)
+    said = capsys.readouterr().err
+    assert "measuring it in 2 windows" in said and "measuring it in 4 windows" in said, said
+    # the least-memory choice is checked, as from the whole step's measurement; and it recomputes
+    assert windowed.runs and windowed.checked
+    assert abs(windowed.predicted_peak_bytes - whole_plan.predicted_peak_bytes) <= 0.1 * whole_plan.predicted_peak_bytes, (
+        windowed, whole_plan)
+    # the windows' segments keep what the whole step's do, in all (each moves by the allocator's
+    # 1-MiB steps between neighbours: the pooling segment's -3.0 MiB in one, -2.0 in the other)
+    chain = _chain(model)
+    profile = _profile._profiles(model, chain, [(x, y)], _profile_loss(model), "CPU:0")[0]
+    monkeypatch.undo()
+    whole = _profile._profiles(model, chain, [(x, y)], _profile_loss(model), "CPU:0")[0]
+    assert abs(sum(profile.kept) - sum(whole.kept)) <= 0.1 * sum(whole.kept), (profile.kept, whole.kept)
+    assert max(abs(a - b) for a, b in zip(profile.kept, whole.kept)) <= 2**20, (profile.kept, whole.kept)
+
+
+def _chain(model):
+    from kvram.remat._plan import _chain
+
+    return _chain(model)
+
+
+def _profile_loss(model):
+    from kvram.remat._check import _loss_function
+
+    return _loss_function(model, _LOSS)
+
+
+@pytest.mark.slow
 def test_planned_model_saves_and_loads_as_keras_file(tmp_path, chain_plan):
     _, x, y, chosen = chain_plan
     x = x.numpy()

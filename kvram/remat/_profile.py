@@ -112,17 +112,63 @@ def traced_for_any_rows(step, x, y, **options):
     return tf.function(step, input_signature=signature, **options)
 
 
-def _profile(model, chain, x, y, loss_fn, device):
-    return _profiles(model, chain, [(x, y)], loss_fn, device)[0]
+def _profile(model, chain, x, y, loss_fn, device, log=None):
+    return _profiles(model, chain, [(x, y)], loss_fn, device, log)[0]
 
 
-def _profiles(model, chain, batches, loss_fn, device):
+def _profiles(model, chain, batches, loss_fn, device, log=None):
     """A `_Profile` for each (x, y) of `batches`, measured by one probed step
     traced once for them all (on an H200, each trace of it took 2.9-5.1 s:
-    benchmarks/results/plan_minute_h200/8707064_probe_times/ at commit 1fb3fe3)."""
+    benchmarks/results/plan_minute_h200/8707064_probe_times/ at commit 1fb3fe3).
+    Where that step runs out of the device's memory, the chain is measured in
+    windows (`_windowed`); `log`, if given, is told so."""
     # the steps move BatchNormalization statistics and seeds
     with memory.state_kept(model), shared_grouped_convolutions(device), graph_optimizers_off(device):
-        return _profile_steps(model, chain, batches, loss_fn, device)
+        windows = 1
+        while True:
+            try:
+                if windows == 1:
+                    return _profile_steps(model, chain, batches, loss_fn, device)
+                return _windowed(model, chain, batches, loss_fn, device, windows)
+            except (tf.errors.ResourceExhaustedError, tf.errors.InternalError) as error:
+                if not memory.is_out_of_memory(error) or windows >= len(chain):
+                    raise
+            memory.collect_garbage()
+            windows = min(2 * windows, len(chain))
+            if log is not None:
+                log(f"the unmodified step ran out of memory; measuring it in {windows} windows of segments, "
+                    "the others recomputed")
+
+
+def _windowed(model, chain, batches, loss_fn, device, windows):
+    """`_Profile`s of the unmodified step pieced together from `windows` probed
+    steps, each with one window of consecutive segments as they are and every
+    other segment a `Checkpoint` of its own, so that each holds about
+    1/`windows` of the step's activations (a model whose step does not fit the
+    device: a 2.5B-parameter LoRA Gemma under 16 GiB). A window's segments keep
+    what they keep unmodified; what they need, the allocation their
+    recomputation starts from and the head's are the measured ones plus what the
+    recomputed segments before the window would have kept beyond their outputs
+    (`_choice._saving`, the planner's own account of a recomputed run), from the
+    windows that measured those."""
+    n = len(chain)
+    bounds = [round(k * n / windows) for k in range(windows + 1)]
+    measured = [_profile_steps(model, chain, batches, loss_fn, device, plain=range(lo, hi))
+                for lo, hi in zip(bounds, bounds[1:])]
+    pieced = []
+    for at_rows in zip(*measured):  # each batch's profile from every window
+        kept, need, recompute, transient = [], [], [], []
+        for (lo, hi), window in zip(zip(bounds, bounds[1:]), at_rows):
+            saved = sum(kept[j] - window.output[j] for j in range(lo))
+            kept += window.kept[lo:hi]
+            transient += window.transient[lo:hi]
+            need += [value + saved for value in window.need[lo:hi]]
+            recompute += [None if value is None else value + saved for value in window.recompute[lo:hi]]
+        last = at_rows[-1]
+        pieced.append(dataclasses.replace(
+            last, kept=tuple(kept), need=tuple(need), recompute=tuple(recompute), transient=tuple(transient),
+            head=last.head + saved))
+    return pieced
 
 
 @contextlib.contextmanager
@@ -202,8 +248,13 @@ def _grouped_convolution(inputs, kernel, strides, padding, data_format, dilation
     return tf.nn.convolution(inputs, kernel, strides, padding, data_format=data_format, dilations=dilations)
 
 
-def _profile_steps(model, chain, batches, loss_fn, device):
+def _profile_steps(model, chain, batches, loss_fn, device, plain=None):
+    """Profiles of the probed step; with `plain` (segment positions), every other segment a `Checkpoint`."""
+    from kvram.layers import Checkpoint
+
     parts = [(s, _part([s], f"{model.name}_segment{s.index}")) for s in chain]
+    if plain is not None:
+        parts = [(s, part if i in plain else Checkpoint(part)) for i, (s, part) in enumerate(parts)]
     step, records = _probe_step(model, parts, *batches[0], loss_fn, model.trainable_variables, device)
     return [_profile_at(model, chain, step, records, x, y, device) for x, y in batches]
 
