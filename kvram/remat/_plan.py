@@ -5,8 +5,8 @@ so that a training step fits a memory budget with the least recomputation:
    train on (one compiled step, `tf.function` without XLA), with a probe at each
    cut in the forward and in the backward pass that reads TensorFlow's allocator:
    the bytes each segment leaves held for the backward pass, and the peak of
-   every stretch of the step. A step that runs out of the device's memory so is
-   measured in windows of segments, the rest recomputed (`_profile._windowed`).
+   every stretch of the step. Where that step runs out of the device's memory, it
+   is measured in windows of segments, the rest recomputed (`_profile._windowed`).
 2. *Predict* the peak of any choice: checkpointing a run of segments frees what
    those segments kept (less the one tensor the run hands on) for every later
    part of the step, and costs one more forward pass of the run.

@@ -164,7 +164,7 @@ def _windowed(model, chain, batches, loss_fn, device, windows):
             transient += window.transient[lo:hi]
             need += [value + saved for value in window.need[lo:hi]]
             recompute += [None if value is None else value + saved for value in window.recompute[lo:hi]]
-        last = at_rows[-1]
+        last = at_rows[-1]  # the head ran after the last window, `saved` is what came before that window
         pieced.append(dataclasses.replace(
             last, kept=tuple(kept), need=tuple(need), recompute=tuple(recompute), transient=tuple(transient),
             head=last.head + saved))
