@@ -18,15 +18,14 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 from benchmarks.common import (  # noqa: E402
-    child_result, gpu_name, result_header, run_child, timed_fit, timed_torch_steps, torch_environment,
-    whole_executions, write_result,
+    child_result, gpu_name, result_header, run_children, timed_fit, timed_torch_steps, torch_environment,
+    whole_executions, without_options, write_result,
 )
 
 # the transformer models: each kernel's time also by part (`kernels.by_part`),
@@ -192,37 +191,31 @@ def main():
         runner = run_tf if framework == "tf" else run_torch
         child_result(runner(args.child, settings, args))
         return
-    results = {}
-    for name in args.only or list(configs):
+
+    def environment(name):
+        """The child's environment: PyTorch's without a staged cuDNN; XLA's dump of the step's HLO."""
         framework, settings = configs[name]
         env = dict(torch_environment() if framework == "torch" else os.environ, **settings.get("env", {}))
         flags = [env.get("XLA_FLAGS", ""), settings.get("xla_flags", "")]
         if framework == "tf" and (args.model in _BY_PART or args.raw_dir):
             flags += [f"--xla_dump_to={_xla_dump_dir(args.raw_dir, name)}", "--xla_dump_hlo_as_text"]
         env["XLA_FLAGS"] = " ".join(f for f in flags if f)
-        command = [sys.executable, __file__, "--child", name, "--model", args.model, "--batch", str(args.batch),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--profile-steps", str(args.profile_steps), "--device", args.device,
-                   "--image-size", str(args.image_size), "--sequence", str(args.sequence),
-                   "--decoder", args.decoder] + (["--layers", str(args.layers)] if args.layers else [])
-        if args.raw_dir:
-            command += ["--raw-dir", args.raw_dir]
-        started = time.perf_counter()
-        records, error, _ = run_child(command, args.timeout, env)
-        result = results[name] = {"error": error} if error else records[-1]
-        result["wall_s"] = time.perf_counter() - started
-        if "error" in result:
-            print(f"{name:28} FAILED {result['error'][-600:]}", flush=True)
-        else:
-            prof = result.get("profile", {})
-            kinds = prof.get("kinds_ms_per_step", {})
-            print(f"{name:28} {result['img_per_s']:7.0f} img/s {result['step_ms']:6.1f} ms/step "
-                  f"{result['peak_gib'] or 0:6.2f} GiB | busy {prof.get('busy_ms_per_step', 0):.1f} "
-                  f"idle {prof.get('idle_ms_per_step', 0):.1f} ms | "
-                  + " ".join(f"{k}={v:.1f}" for k, v in list(kinds.items())[:8])
-                  + f" ({result['wall_s']:.0f} s)", flush=True)
+        return env
+
+    def describe(result):
+        prof = result.get("profile", {})
+        kinds = prof.get("kinds_ms_per_step", {})
+        return (f"{result['img_per_s']:7.0f} img/s {result['step_ms']:6.1f} ms/step "
+                f"{result['peak_gib'] or 0:6.2f} GiB | busy {prof.get('busy_ms_per_step', 0):.1f} "
+                f"idle {prof.get('idle_ms_per_step', 0):.1f} ms | "
+                + " ".join(f"{k}={v:.1f}" for k, v in list(kinds.items())[:8]))
+
+    forwarded = without_options(sys.argv[1:], ("--out", "--only"))
+    results = {}
+    for name in args.only or list(configs):  # the file is written after each: a later stall loses nothing
+        results.update(run_children(__file__, [name], forwarded, describe, args.timeout, environment))
         write_result(args.out, {**result_header(f"profile-{args.model}-step", __file__), "gpu": gpu_name(),
-                                "batch": args.batch, "steps": args.steps, "results": results})  # after each
+                                "batch": args.batch, "steps": args.steps, "results": results})
 
 
 if __name__ == "__main__":
