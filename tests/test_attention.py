@@ -531,6 +531,67 @@ def test_cudnn_attention_dropout_keeps_one_minus_the_rate_with_one_mask_forward_
     assert r["dv_rel_diff"] < 2e-2, r
 
 
+# A layer whose attention dropout runs in cuDNN (where the process's cuDNN allows it), its step
+# XLA-compiled with and without a Checkpoint around the layer: each compiled step's calls start
+# at XLA's offset 0 with the layer's one static seed, so the first run of each drops alike.
+_CHECKPOINT_DROPOUT_PROBE = """
+import json
+import numpy as np
+import kvram
+import keras
+import tensorflow as tf
+from kvram.layers import Checkpoint, MemoryEfficientAttention
+from kvram.layers import _cudnn_attention
+keras.config.set_dtype_policy("mixed_bfloat16")
+keras.utils.set_random_seed(0)
+layer = MemoryEfficientAttention(4, 32, dropout=0.1, implementation="cudnn")
+x = tf.constant(np.random.default_rng(0).normal(size=(2, 128, 128)).astype("float32"))
+layer.build(x.shape, x.shape)
+wrapped = Checkpoint(layer)
+
+def compiled(call):
+    @tf.function(jit_compile=True)
+    def run(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = tf.cast(call(x), tf.float32)
+            loss = tf.reduce_sum(out * out)
+        return out, tape.gradient(loss, [x] + layer.trainable_weights)
+    return run
+
+with tf.device("GPU:0"):
+    plain = compiled(lambda x: layer(x, x, use_causal_mask=True, training=True))
+    checkpointed = compiled(lambda x: wrapped(x, x, use_causal_mask=True, training=True))
+    (out, grads), (out_c, grads_c), (out_again, _) = plain(x), checkpointed(x), plain(x)
+rel = lambda a, b: float(np.max(np.abs(a.numpy() - b.numpy())) / max(np.max(np.abs(a.numpy())), 1e-30))
+print("RESULT " + json.dumps({
+    "why_no_dropout": _cudnn_attention.why_no_dropout(),
+    "out_rel": rel(out, out_c), "grad_rel": max(rel(a, b) for a, b in zip(grads, grads_c)),
+    "again_rel": rel(out, out_again), "cudnn": _cudnn_attention.runtime_version()}))
+"""
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_dropout_under_a_checkpoint_drops_what_the_step_without_drops():
+    """On a GPU whose process loads cuDNN 9.19 or later, a MemoryEfficientAttention layer with
+    dropout 0.1 in cuDNN ("cudnn": refused elsewhere), its step XLA-compiled with and without a
+    Checkpoint around it: the first run of each gives the same output and gradients (the
+    recomputed forward call drops what the first did, the backward call alike), and a second run
+    of the same step drops others. Where the process's cuDNN is older: skipped, saying so."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CHECKPOINT_DROPOUT_PROBE], capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode != 0 and "cannot run here" in done.stderr and "segmentation fault" in done.stderr:
+        pytest.skip(done.stderr.strip().splitlines()[-1][:400])
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert r["out_rel"] < 1e-3 and r["grad_rel"] < 2e-2, r
+    assert r["again_rel"] > 0.05, r
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_cudnn_kerashub_decoders_equal_their_own_attention_on_a_gpu(kind):
