@@ -60,10 +60,6 @@ def versions() -> dict:
             found[name] = module.__version__
     if "torch" in sys.modules:  # the cuDNN it loaded: its attention's kernels depend on it
         found["torch_cudnn"] = sys.modules["torch"].backends.cudnn.version()
-    if "kvram" in sys.modules and "tensorflow" in sys.modules:  # alike: cuDNN's attention dropout needs 9.19
-        from kvram.layers._cudnn_attention import runtime_version
-
-        found["cudnn"] = runtime_version()
     return found
 
 

@@ -15,17 +15,16 @@ backward (q, k, v, statistics, d_out[, bias], out) -> (dq, dk, dv, workspace).
 Grouped-query attention is cuDNN's own: k and v may have fewer heads than q.
 
 Dropout: the calls with dropout (`...SoftmaxDropout`, rate and seed in the
-configuration) run under TensorFlow 2.21's XLA with cuDNN 9.19 (PyTorch's own,
-`nvidia-cudnn-cu13`, first on `LD_LIBRARY_PATH`), and end the process with a
-segmentation fault with cuDNN 9.14 (the GPU machine's system cuDNN, on an
-H200: every case with dropout, with or without a causal mask or a bias), as
-they do with JAX's whole configuration and with XLA's command buffers off. So
-dropout runs here only where the cuDNN this process loads is 9.19 or later
-(`why_no_dropout`); elsewhere `MemoryEfficientAttention` computes attention
-dropout in its chunks. XLA draws each call's mask from the configured seed and
-an offset that it advances on every run of the call (and alike for the
-backward call), so each step drops other positions, and the backward call
-drops those its forward call dropped.
+configuration) are traced as XLA expects them, but a step that runs one ends
+the process with a segmentation fault under TensorFlow 2.21 on an H200 (every
+case with dropout, with or without a causal mask or a bias; the same cases
+without dropout run), with the GPU machine's cuDNN 9.14 and with PyTorch's
+cuDNN 9.19 loaded instead (benchmarks/results/attention_dropout_cudnn_h200.json).
+It crashes alike with JAX's whole configuration (`is_flash_attention`,
+`sliding_window_length`, the operation queue fields) and with XLA's command
+buffers off (`--xla_gpu_enable_command_buffer=`), where JAX 0.11's own calls
+with dropout run on the same GPU. So `cudnn_attention` refuses a rate above 0
+and `MemoryEfficientAttention` computes attention dropout in its chunks.
 """
 
 from __future__ import annotations
@@ -37,9 +36,8 @@ import tensorflow as tf
 # Tensor-core engine 0 with the knobs XLA's rewriter sets (cudnn_fused_mha_rewriter.cc).
 _ALGORITHM = {"algo_id": "0", "math_type": "TENSOR_OP_MATH", "tuning_knobs": {"17": "1", "24": "0"},
               "is_cudnn_frontend": True, "workspace_size": "0"}
-DROPOUT_CUDNN = 91900  # the first cuDNN seen to run the dropout calls under TF 2.21 (see the module's docstring)
-NO_DROPOUT = ("cuDNN's attention with dropout crashes TensorFlow 2.21's XLA runtime with cuDNN before 9.19 (a "
-              "segmentation fault with 9.14 on an H200), so attention dropout while training runs in the chunks")
+NO_DROPOUT = ("cuDNN's attention with dropout crashes TensorFlow 2.21's XLA runtime (a segmentation fault on an "
+              "H200 with cuDNN 9.14 and 9.19), so attention dropout while training runs in the chunks")
 _DTYPES = {tf.bfloat16: "BF16", tf.float16: "F16"}
 
 
@@ -60,25 +58,6 @@ def supported(q, k, v, bias=False, training=False) -> str | None:
     if bias and training and (q.shape[2] % 2 or k.shape[2] % 2):
         return f"with a mask while training it needs even lengths (got {q.shape[2]} queries, {k.shape[2]} keys)"
     return None
-
-
-def runtime_version() -> int | None:
-    """The version of the cuDNN library this process loads (90100 for 9.1.0), or None without one."""
-    import ctypes
-
-    try:
-        return int(ctypes.CDLL("libcudnn.so.9").cudnnGetVersion())
-    except (OSError, AttributeError):
-        return None
-
-
-def why_no_dropout() -> str | None:
-    """Why the calls with dropout cannot run in this process (its cuDNN), or None where they can."""
-    version = runtime_version()
-    if version is not None and version >= DROPOUT_CUDNN:
-        return None
-    loaded = "no cuDNN" if version is None else f"cuDNN {version // 10000}.{version % 10000 // 100}.{version % 100}"
-    return f"{NO_DROPOUT} (this process loads {loaded})"
 
 
 def call_target(bias: bool, dropout: bool, backward: bool) -> str:
@@ -153,8 +132,8 @@ def cudnn_attention(q, k, v, scale: float, causal: bool = False, bias=None, drop
     `bias`: None or (B or 1, N or 1, T, S) in q's dtype (`bias_from_mask`); it
     gets no gradient. `dropout`: the rate at which probabilities are dropped
     (kept ones scaled by 1 / (1 - rate)), by cuDNN with the integer `seed`;
-    refused (a ValueError) where `why_no_dropout` says the calls crash,
-    unless `allow_dropout` (to trace them, or to try a cuDNN). The backward pass is cuDNN's too: it keeps the
+    refused (a ValueError) unless `allow_dropout`, which only traces the calls
+    (see the module's docstring: running them crashes). The backward pass is cuDNN's too: it keeps the
     output and the float32 softmax statistics (B, N, T), never the (T, S)
     probabilities."""
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
@@ -164,8 +143,8 @@ def cudnn_attention(q, k, v, scale: float, causal: bool = False, bias=None, drop
         raise ValueError(f"cuDNN attention cannot run here: {reason}.")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1). Received: {dropout}")
-    if dropout and not allow_dropout and why_no_dropout():
-        raise ValueError(f"cuDNN attention cannot run here: {why_no_dropout()}. Received: dropout={dropout}")
+    if dropout and not allow_dropout:
+        raise ValueError(f"cuDNN attention cannot run here: {NO_DROPOUT}. Received: dropout={dropout}")
     b, n, t, h = q.shape
     nk, s = k.shape[1], k.shape[2]
     extra = []

@@ -149,8 +149,7 @@ def _attend_heads(layer, q, k, v, attention_mask, causal, dropout, scale, chunk_
         bias = None
         if attention_mask is not None:
             bias = _cudnn_attention.bias_from_mask(_as_score_mask(attention_mask), q.dtype, q.shape[2], k.shape[2])
-        out = _cudnn_attention.cudnn_attention(q, k, v, scale, causal=causal, bias=bias, dropout=dropout,
-                                               seed=_static_seed(layer, seeds) if dropout else 42)
+        out = _cudnn_attention.cudnn_attention(q, k, v, scale, causal=causal, bias=bias)  # no dropout here
         return tf.transpose(out, [0, 2, 1, 3]), None
     if implementation == "cudnn" and not _symbolic():
         raise ValueError(f"MemoryEfficientAttention(implementation='cudnn') cannot run here: {why_not}.")
@@ -187,18 +186,6 @@ def _as_score_mask(attention_mask):
     return mask
 
 
-def _static_seed(layer, seeds) -> int:
-    """cuDNN's dropout seed for this layer, fixed when the step is traced (XLA
-    advances an offset on every run): drawn from the seed given to the layer's
-    dropout and the names of its seed generator (unique in the process) and of
-    the layer, so no two layers drop alike."""
-    import zlib
-
-    generator = seeds()
-    given = getattr(generator, "_initial_seed", None)
-    return zlib.crc32(f"{given}/{generator.name}/{layer.name}".encode()) & 0x7FFFFFFF
-
-
 def _why_not_cudnn(implementation, q, k, v, attention_mask, causal, dropout):
     """None where this call runs cuDNN's attention, else why not."""
     if implementation == "chunked":
@@ -209,8 +196,8 @@ def _why_not_cudnn(implementation, q, k, v, attention_mask, causal, dropout):
         rank = attention_mask.shape.rank
         if rank is None or not 2 <= rank <= 4:
             return f"its attention mask must be of rank 2 to 4 (got shape {attention_mask.shape})"
-    if dropout and _cudnn_attention.why_no_dropout():
-        return _cudnn_attention.why_no_dropout()
+    if dropout:
+        return _cudnn_attention.NO_DROPOUT
     reason = _cudnn_attention.supported(q, k, v, bias=attention_mask is not None, training=True)  # the gradient may be asked for
     if reason is None and not _cudnn_attention.in_xla_on_gpu(q):
         reason = "it runs only inside a step XLA compiles for a GPU (compile with jit_compile=True on a GPU)"
