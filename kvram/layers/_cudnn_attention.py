@@ -23,8 +23,14 @@ cuDNN 9.19 loaded instead (benchmarks/results/attention_dropout_cudnn_h200.json)
 It crashes alike with JAX's whole configuration (`is_flash_attention`,
 `sliding_window_length`, the operation queue fields) and with XLA's command
 buffers off (`--xla_gpu_enable_command_buffer=`), where JAX 0.11's own calls
-with dropout run on the same GPU. So `cudnn_attention` refuses a rate above 0
-and `MemoryEfficientAttention` computes attention dropout in its chunks.
+with dropout run on the same GPU. The cause in the sources (not confirmed by a
+debugger): since openxla/xla#16849 XLA's cuDNN thunk keeps one dropout offset
+per local device, in a vector sized by `ExecutableRunOptions.local_device_count`
+and read at the device's ordinal; TensorFlow's `XlaLaunch` (`RunExecutable` in
+`tensorflow/compiler/jit/xla_launch_util.cc`) never sets that count, which
+stays 0 ("unset"), where PjRt, JAX's runtime, sets it. So `cudnn_attention`
+refuses a rate above 0 and `MemoryEfficientAttention` computes attention
+dropout in its chunks.
 """
 
 from __future__ import annotations
