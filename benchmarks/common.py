@@ -252,13 +252,15 @@ def run_child(command, timeout=None, env=None, cwd=None) -> tuple[list, str | No
     return records, (proc.stderr or proc.stdout)[-3000:] if failed else None, proc.stderr
 
 
-def run_children(script: str, names, args, describe, timeout=None, environment=None) -> dict:
+def run_children(script: str, names, args, describe, timeout=None, environment=None, each=None) -> dict:
     """Runs `script --child NAME ARGS...` for each name, one process each (clean
     allocator statistics), and collects each one's record (`run_child`).
     `describe(result)` formats a line of progress; `timeout` (seconds), if
     given, stops a child that runs longer (its result is then the error);
     `environment(name)`, if given, is the child's environment (None: this
-    process's)."""
+    process's); `each(results)`, if given, is called with the results so far
+    after each child (a suite writes its file there: a run cut short keeps
+    what ran)."""
     results = {}
     for name in names:
         started = time.perf_counter()
@@ -272,6 +274,8 @@ def run_children(script: str, names, args, describe, timeout=None, environment=N
         r["wall_s"] = time.perf_counter() - started
         text = f"FAILED: {r['error'][-400:]}" if "error" in r else describe(r)
         print(f"{name:26} {text}  ({r['wall_s']:.0f} s)", flush=True)
+        if each:
+            each(results)
     return results
 
 
@@ -319,18 +323,20 @@ def training_main(doc: str, script: str, benchmark: str, configs: dict, runners:
         child_result({"label": label, "framework": framework, "settings": settings, "versions": versions(),
                       **measured})
         return
-    forwarded = without_options(sys.argv[1:], ("--out", "--only"))
-    results = {}
-    for name in args.only or list(configs):  # the file is written after each: a run cut short keeps the rest
-        results.update(run_children(
-            script, [name], forwarded,
-            lambda r: f"{r[rate]:9.0f} {rate.removesuffix('_per_s')}/s  {_peak(r['peak_gib'])} GiB  "
-                      f"loss {r['final_loss']:.3f}",
-            timeout=args.timeout,
-            environment=lambda name: torch_environment() if configs[name][0] == "torch" else None,
-        ))
-        report = _report(benchmark, script, rate, args, describe_run, results)
+    report = {}
+
+    def write(results):  # after each configuration
+        report.update(_report(benchmark, script, rate, args, describe_run, results))
         write_result(args.out, report)
+
+    run_children(
+        script, args.only or list(configs), without_options(sys.argv[1:], ("--out", "--only")),
+        lambda r: f"{r[rate]:9.0f} {rate.removesuffix('_per_s')}/s  {_peak(r['peak_gib'])} GiB  "
+                  f"loss {r['final_loss']:.3f}",
+        timeout=args.timeout,
+        environment=lambda name: torch_environment() if configs[name][0] == "torch" else None,
+        each=write,
+    )
     return report
 
 

@@ -24,3 +24,16 @@ def test_run_child_says_why_a_child_failed_or_printed_no_record():
 def test_without_options_drops_the_options_and_their_values():
     assert without_options(["--out", "x.json", "--steps", "3", "--only=a", "--only", "b"], ("--out", "--only")) == [
         "--steps", "3"]
+
+
+def test_run_children_hands_the_results_so_far_to_each_after_every_child(tmp_path):
+    from benchmarks.common import run_children
+
+    script = tmp_path / "suite.py"
+    script.write_text('import json, sys\nname = sys.argv[2]\nif name == "bad":\n    sys.exit("bad child")\n'
+                      'print("RESULT " + json.dumps({"name": name, "n": int(sys.argv[3])}))\n')
+    seen = []
+    results = run_children(str(script), ["a", "bad", "b"], [7], lambda r: r["name"],
+                           each=lambda so_far: seen.append(sorted(so_far)))
+    assert seen == [["a"], ["a", "bad"], ["a", "b", "bad"]]
+    assert results["a"]["n"] == 7 and results["b"]["name"] == "b" and "bad child" in results["bad"]["error"]

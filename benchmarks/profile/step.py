@@ -210,12 +210,12 @@ def main():
                 f"idle {prof.get('idle_ms_per_step', 0):.1f} ms | "
                 + " ".join(f"{k}={v:.1f}" for k, v in list(kinds.items())[:8]))
 
-    forwarded = without_options(sys.argv[1:], ("--out", "--only"))
-    results = {}
-    for name in args.only or list(configs):  # the file is written after each: a later stall loses nothing
-        results.update(run_children(__file__, [name], forwarded, describe, args.timeout, environment))
+    def write(results):  # after each configuration: a later stall loses nothing
         write_result(args.out, {**result_header(f"profile-{args.model}-step", __file__), "gpu": gpu_name(),
                                 "batch": args.batch, "steps": args.steps, "results": results})
+
+    run_children(__file__, args.only or list(configs), without_options(sys.argv[1:], ("--out", "--only")),
+                 describe, args.timeout, environment, each=write)
 
 
 if __name__ == "__main__":
