@@ -36,6 +36,7 @@ dropout in its chunks.
 from __future__ import annotations
 
 import json
+import os
 
 import tensorflow as tf
 
@@ -45,6 +46,16 @@ _ALGORITHM = {"algo_id": "0", "math_type": "TENSOR_OP_MATH", "tuning_knobs": {"1
 NO_DROPOUT = ("cuDNN's attention with dropout crashes TensorFlow 2.21's XLA runtime (a segmentation fault on an "
               "H200 with cuDNN 9.14 and 9.19), so attention dropout while training runs in the chunks")
 _DTYPES = {tf.bfloat16: "BF16", tf.float16: "F16"}
+# TF_XLA_FLAGS that make TensorFlow launch XLA's GPU executables through PjRt
+# (tensorflow/compiler/jit/flags.h), set before TensorFlow starts.
+PJRT_LAUNCH = ("--tf_xla_use_device_api=true", "--tf_xla_enable_device_api_for_gpu=true")
+
+
+def dropout_runs() -> bool:
+    """Whether TensorFlow launches XLA's GPU executables through PjRt
+    (TF_XLA_FLAGS holds both of `PJRT_LAUNCH`), where cuDNN's attention takes dropout."""
+    flags = os.environ.get("TF_XLA_FLAGS", "").split()
+    return all(flag in flags for flag in PJRT_LAUNCH)
 
 
 def supported(q, k, v, bias=False, training=False) -> str | None:
@@ -149,7 +160,7 @@ def cudnn_attention(q, k, v, scale: float, causal: bool = False, bias=None, drop
         raise ValueError(f"cuDNN attention cannot run here: {reason}.")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1). Received: {dropout}")
-    if dropout and not allow_dropout:
+    if dropout and not (allow_dropout or dropout_runs()):
         raise ValueError(f"cuDNN attention cannot run here: {NO_DROPOUT}. Received: dropout={dropout}")
     b, n, t, h = q.shape
     nk, s = k.shape[1], k.shape[2]

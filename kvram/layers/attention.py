@@ -4,6 +4,7 @@ sequence length, in TensorFlow ops only."""
 from __future__ import annotations
 
 import math
+import zlib
 
 import keras
 import tensorflow as tf
@@ -149,7 +150,8 @@ def _attend_heads(layer, q, k, v, attention_mask, causal, dropout, scale, chunk_
         bias = None
         if attention_mask is not None:
             bias = _cudnn_attention.bias_from_mask(_as_score_mask(attention_mask), q.dtype, q.shape[2], k.shape[2])
-        out = _cudnn_attention.cudnn_attention(q, k, v, scale, causal=causal, bias=bias)  # no dropout here
+        out = _cudnn_attention.cudnn_attention(q, k, v, scale, causal=causal, bias=bias, dropout=dropout,
+                                               seed=_static_seed(layer))
         return tf.transpose(out, [0, 2, 1, 3]), None
     if implementation == "cudnn" and not _symbolic():
         raise ValueError(f"MemoryEfficientAttention(implementation='cudnn') cannot run here: {why_not}.")
@@ -168,6 +170,12 @@ def _attend_heads(layer, q, k, v, attention_mask, causal, dropout, scale, chunk_
         seed = _cast_seed(draw_seed(seeds()))
     out = chunked_attention(q, k, v, mask, causal=causal, chunk_size=chunk_size, dropout=dropout, seed=seed)
     return tf.transpose(out, [0, 2, 1, 3]), None
+
+
+def _static_seed(layer) -> int:
+    """The integer seed of `layer`'s cuDNN dropout: cuDNN draws each step's mask from it and an
+    offset its XLA call advances on every run, so layers need seeds of their own."""
+    return zlib.crc32(layer.name.encode()) & 0x7FFFFFFF
 
 
 def _as_score_mask(attention_mask):
@@ -196,7 +204,7 @@ def _why_not_cudnn(implementation, q, k, v, attention_mask, causal, dropout):
         rank = attention_mask.shape.rank
         if rank is None or not 2 <= rank <= 4:
             return f"its attention mask must be of rank 2 to 4 (got shape {attention_mask.shape})"
-    if dropout:
+    if dropout and not _cudnn_attention.dropout_runs():
         return _cudnn_attention.NO_DROPOUT
     reason = _cudnn_attention.supported(q, k, v, bias=attention_mask is not None, training=True)  # the gradient may be asked for
     if reason is None and not _cudnn_attention.in_xla_on_gpu(q):
