@@ -359,20 +359,24 @@ def kerashub_decoder(kind, dropout=0.0, length=128):
 
 
 @pytest.mark.slow  # KerasHub backbones traced with their gradients
-@pytest.mark.parametrize("kind,dropout,target", [
-    ("gpt2", 0.1, None),  # attention dropout: the chunks (cudnn_attention.NO_DROPOUT)
-    ("gpt2", 0.0, "__cudnn$fmhaScaleBiasSoftmax"),
-    ("llama", 0.0, "__cudnn$fmhaScaleBiasSoftmax"),
+@pytest.mark.parametrize("kind,dropout,target,pjrt", [
+    ("gpt2", 0.1, None, False),  # attention dropout: the chunks (cudnn_attention.NO_DROPOUT)
+    ("gpt2", 0.1, "__cudnn$fmhaScaleBiasSoftmaxDropout", True),
+    ("gpt2", 0.0, "__cudnn$fmhaScaleBiasSoftmax", False),
+    ("llama", 0.0, "__cudnn$fmhaScaleBiasSoftmax", False),
 ])
-def test_kerashub_decoders_take_cudnns_causal_kernel_with_the_padding_as_a_bias(kind, dropout, target, monkeypatch):
+def test_kerashub_decoders_take_cudnns_causal_kernel_with_the_padding_as_a_bias(kind, dropout, target, pjrt,
+                                                                                 monkeypatch):
     """The path each KerasHub decoder takes where cuDNN would run (the GPU check
     made true, the step only traced): GPT-2's attention without dropout and
     Llama's with its 2 key/value heads for 4 query heads through cuDNN's causal
     kernel with the padding mask as a (B, 1, T, S) bias; GPT-2's with attention
-    dropout in the chunks, no custom call."""
+    dropout in the chunks, no custom call, unless TF_XLA_FLAGS launch XLA
+    through PjRt: then cuDNN's kernel with dropout, a seed for each layer."""
     from kvram.layers import _cudnn_attention
 
     monkeypatch.setattr(_cudnn_attention, "in_xla_on_gpu", lambda x: True)
+    monkeypatch.setenv("TF_XLA_FLAGS", " ".join(_cudnn_attention.PJRT_LAUNCH) if pjrt else "")
     keras.config.set_dtype_policy("mixed_bfloat16")
     try:
         model, x = kerashub_decoder(kind, dropout)
@@ -398,12 +402,16 @@ def test_kerashub_decoders_take_cudnns_causal_kernel_with_the_padding_as_a_bias(
     assert names == [target, target + "Backward"]
     forward = [op for op in calls if op.get_attr("call_target_name").decode() == target]
     assert len(forward) == 2  # one a layer
+    seeds = set()
     for op in forward:
         fmha = json.loads(op.get_attr("backend_config"))["cudnn_fmha_backend_config"]
         assert fmha["mask_type"] == "CAUSAL" and fmha["dropout_rate"] == pytest.approx(dropout)
+        seeds.add(fmha["seed"])
         q, k, _, bias = (x.shape.as_list() for x in op.inputs)
         assert bias == [2, 1, 128, 128]
         assert k[1] == (2 if kind == "llama" else q[1])
+    if dropout:
+        assert len(seeds) == 2  # one mask a layer
 
 
 @pytest.mark.slow  # eager and XLA-compiled KerasHub backbones

@@ -3,6 +3,7 @@ sequence length, in TensorFlow ops only."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 
@@ -172,10 +173,16 @@ def _attend_heads(layer, q, k, v, attention_mask, causal, dropout, scale, chunk_
     return tf.transpose(out, [0, 2, 1, 3]), None
 
 
+_seeds = itertools.count(1)
+
+
 def _static_seed(layer) -> int:
-    """The integer seed of `layer`'s cuDNN dropout: cuDNN draws each step's mask from it and an
-    offset its XLA call advances on every run, so layers need seeds of their own."""
-    return zlib.crc32(layer.name.encode()) & 0x7FFFFFFF
+    """The integer seed of `layer`'s cuDNN dropout, fixed at its first call: cuDNN draws each
+    step's mask from it and an offset its XLA call advances on every run, so each layer has its
+    own (layers of one name too: KerasHub's decoder blocks each call theirs `self_attention`)."""
+    if getattr(layer, "_kvram_cudnn_seed", None) is None:
+        layer._kvram_cudnn_seed = zlib.crc32(f"{layer.name}/{next(_seeds)}".encode()) & 0x7FFFFFFF
+    return layer._kvram_cudnn_seed
 
 
 def _as_score_mask(attention_mask):
