@@ -30,7 +30,10 @@ and read at the device's ordinal; TensorFlow's `XlaLaunch` (`RunExecutable` in
 `tensorflow/compiler/jit/xla_launch_util.cc`) never sets that count, which
 stays 0 ("unset"), where PjRt, JAX's runtime, sets it. So `cudnn_attention`
 refuses a rate above 0 and `MemoryEfficientAttention` computes attention
-dropout in its chunks.
+dropout in its chunks, unless TF_XLA_FLAGS hold `PJRT_LAUNCH` (TensorFlow then
+launches XLA's executables through PjRt; `dropout_runs()`): there both make
+cuDNN's dropout calls. That route has not yet run on a GPU: tests marked `gpu`
+in tests/test_attention.py, run with those flags, are its check.
 """
 
 from __future__ import annotations
