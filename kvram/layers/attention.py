@@ -44,7 +44,9 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
     `drop_remainder=True`), a causal mask over equal lengths, an attention mask
     of any shape Keras takes (as an additive bias; then even lengths while
     training), no attention dropout while training (see
-    `_cudnn_attention.NO_DROPOUT`). It too keeps no n x n scores. Where cuDNN cannot take a case,
+    `_cudnn_attention.NO_DROPOUT`; under TF_XLA_FLAGS that launch XLA through
+    PjRt, `_cudnn_attention.PJRT_LAUNCH`, cuDNN's dropout, not yet run on a
+    GPU). It too keeps no n x n scores. Where cuDNN cannot take a case,
     "auto" uses the chunks and "cudnn" raises a `ValueError` saying why.
     ViT-B/16, batch 256, one H200: see the Benchmarks page (`kvram_fast`).
 
@@ -173,7 +175,7 @@ def _attend_heads(layer, q, k, v, attention_mask, causal, dropout, scale, chunk_
     return tf.transpose(out, [0, 2, 1, 3]), None
 
 
-_seeds = itertools.count(1)
+_cudnn_seed_count = itertools.count(1)
 
 
 def _static_seed(layer) -> int:
@@ -181,7 +183,7 @@ def _static_seed(layer) -> int:
     step's mask from it and an offset its XLA call advances on every run, so each layer has its
     own (layers of one name too: KerasHub's decoder blocks each call theirs `self_attention`)."""
     if getattr(layer, "_kvram_cudnn_seed", None) is None:
-        layer._kvram_cudnn_seed = zlib.crc32(f"{layer.name}/{next(_seeds)}".encode()) & 0x7FFFFFFF
+        layer._kvram_cudnn_seed = zlib.crc32(f"{layer.name}/{next(_cudnn_seed_count)}".encode()) & 0x7FFFFFFF
     return layer._kvram_cudnn_seed
 
 
