@@ -31,10 +31,6 @@ CONFIGS = {
                    dict(attention=True, lean=True, fused=True)),
     "kvram_lean": ("tf", "kvram, the same with a Checkpoint on every decoder block",
                    dict(attention=True, lean=True, fused=True, checkpoint=True)),
-    "kvram_fast_pjrt": ("tf", "kvram_fast, XLA launched through PjRt: attention dropout in cuDNN's kernel",
-                        dict(attention=True, lean=True, fused=True, pjrt=True)),
-    "kvram_lean_pjrt": ("tf", "kvram_lean, XLA launched through PjRt: attention dropout in cuDNN's kernel",
-                        dict(attention=True, lean=True, fused=True, checkpoint=True, pjrt=True)),
     "torch_compile": ("torch", "PyTorch torch.compile(transformers model), bf16 autocast, SDPA, fused AdamW",
                       dict(compile=True)),
     "torch_compile_ckpt": ("torch", "PyTorch, the same with gradient checkpointing per block",
@@ -53,10 +49,6 @@ def build(settings, args):
     """The model (compiled) and data of a TensorFlow configuration."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     set_kvram_switches(settings)  # before import kvram: what it does by default, for kvram's configurations
-    if settings.get("pjrt"):  # before TensorFlow starts: kvram.layers._cudnn_attention.PJRT_LAUNCH
-        os.environ["TF_XLA_FLAGS"] = " ".join(
-            [os.environ.get("TF_XLA_FLAGS", ""), "--tf_xla_use_device_api=true --tf_xla_enable_device_api_for_gpu=true"]
-        ).strip()
     import keras
     import keras_hub
     import numpy as np

@@ -28,18 +28,18 @@ debugger): since openxla/xla#16849 XLA's cuDNN thunk keeps one dropout offset
 per local device, in a vector sized by `ExecutableRunOptions.local_device_count`
 and read at the device's ordinal; TensorFlow's `XlaLaunch` (`RunExecutable` in
 `tensorflow/compiler/jit/xla_launch_util.cc`) never sets that count, which
-stays 0 ("unset"), where PjRt, JAX's runtime, sets it. So `cudnn_attention`
+stays 0 ("unset"), where PjRt, JAX's runtime, sets it. TensorFlow's own PjRt
+launch path (TF_XLA_FLAGS `--tf_xla_use_device_api=true
+--tf_xla_enable_device_api_for_gpu=true`) crashes on an H200 on any
+XLA-compiled step, a single matmul included, so it is no way round
+(benchmarks/results/attention_dropout_pjrt_h200.json). So `cudnn_attention`
 refuses a rate above 0 and `MemoryEfficientAttention` computes attention
-dropout in its chunks, unless TF_XLA_FLAGS hold `PJRT_LAUNCH` (TensorFlow then
-launches XLA's executables through PjRt; `dropout_runs()`): there both make
-cuDNN's dropout calls. That route has not yet run on a GPU: tests marked `gpu`
-in tests/test_attention.py, run with those flags, are its check.
+dropout in its chunks.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import tensorflow as tf
 
@@ -49,16 +49,6 @@ _ALGORITHM = {"algo_id": "0", "math_type": "TENSOR_OP_MATH", "tuning_knobs": {"1
 NO_DROPOUT = ("cuDNN's attention with dropout crashes TensorFlow 2.21's XLA runtime (a segmentation fault on an "
               "H200 with cuDNN 9.14 and 9.19), so attention dropout while training runs in the chunks")
 _DTYPES = {tf.bfloat16: "BF16", tf.float16: "F16"}
-# TF_XLA_FLAGS that make TensorFlow launch XLA's GPU executables through PjRt
-# (tensorflow/compiler/jit/flags.h), set before TensorFlow starts.
-PJRT_LAUNCH = ("--tf_xla_use_device_api=true", "--tf_xla_enable_device_api_for_gpu=true")
-
-
-def dropout_runs() -> bool:
-    """Whether TensorFlow launches XLA's GPU executables through PjRt
-    (TF_XLA_FLAGS holds both of `PJRT_LAUNCH`), where cuDNN's attention takes dropout."""
-    flags = os.environ.get("TF_XLA_FLAGS", "").split()
-    return all(flag in flags for flag in PJRT_LAUNCH)
 
 
 def supported(q, k, v, bias=False, training=False) -> str | None:
@@ -163,7 +153,7 @@ def cudnn_attention(q, k, v, scale: float, causal: bool = False, bias=None, drop
         raise ValueError(f"cuDNN attention cannot run here: {reason}.")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1). Received: {dropout}")
-    if dropout and not (allow_dropout or dropout_runs()):
+    if dropout and not allow_dropout:
         raise ValueError(f"cuDNN attention cannot run here: {NO_DROPOUT}. Received: dropout={dropout}")
     b, n, t, h = q.shape
     nk, s = k.shape[1], k.shape[2]

@@ -3,9 +3,7 @@ sequence length, in TensorFlow ops only."""
 
 from __future__ import annotations
 
-import itertools
 import math
-import zlib
 
 import keras
 import tensorflow as tf
@@ -44,9 +42,7 @@ class MemoryEfficientAttention(keras.layers.MultiHeadAttention):
     `drop_remainder=True`), a causal mask over equal lengths, an attention mask
     of any shape Keras takes (as an additive bias; then even lengths while
     training), no attention dropout while training (see
-    `_cudnn_attention.NO_DROPOUT`; under TF_XLA_FLAGS that launch XLA through
-    PjRt, `_cudnn_attention.PJRT_LAUNCH`, cuDNN's dropout, not yet run on a
-    GPU). It too keeps no n x n scores. Where cuDNN cannot take a case,
+    `_cudnn_attention.NO_DROPOUT`). It too keeps no n x n scores. Where cuDNN cannot take a case,
     "auto" uses the chunks and "cudnn" raises a `ValueError` saying why.
     ViT-B/16, batch 256, one H200: see the Benchmarks page (`kvram_fast`).
 
@@ -153,8 +149,7 @@ def _attend_heads(layer, q, k, v, attention_mask, causal, dropout, scale, chunk_
         bias = None
         if attention_mask is not None:
             bias = _cudnn_attention.bias_from_mask(_as_score_mask(attention_mask), q.dtype, q.shape[2], k.shape[2])
-        out = _cudnn_attention.cudnn_attention(q, k, v, scale, causal=causal, bias=bias, dropout=dropout,
-                                               seed=_static_seed(layer))
+        out = _cudnn_attention.cudnn_attention(q, k, v, scale, causal=causal, bias=bias)  # no dropout here
         return tf.transpose(out, [0, 2, 1, 3]), None
     if implementation == "cudnn" and not _symbolic():
         raise ValueError(f"MemoryEfficientAttention(implementation='cudnn') cannot run here: {why_not}.")
@@ -173,18 +168,6 @@ def _attend_heads(layer, q, k, v, attention_mask, causal, dropout, scale, chunk_
         seed = _cast_seed(draw_seed(seeds()))
     out = chunked_attention(q, k, v, mask, causal=causal, chunk_size=chunk_size, dropout=dropout, seed=seed)
     return tf.transpose(out, [0, 2, 1, 3]), None
-
-
-_cudnn_seed_count = itertools.count(1)
-
-
-def _static_seed(layer) -> int:
-    """The integer seed of `layer`'s cuDNN dropout, fixed at its first call: cuDNN draws each
-    step's mask from it and an offset its XLA call advances on every run, so each layer has its
-    own (layers of one name too: KerasHub's decoder blocks each call theirs `self_attention`)."""
-    if getattr(layer, "_kvram_cudnn_seed", None) is None:
-        layer._kvram_cudnn_seed = zlib.crc32(f"{layer.name}/{next(_cudnn_seed_count)}".encode()) & 0x7FFFFFFF
-    return layer._kvram_cudnn_seed
 
 
 def _as_score_mask(attention_mask):
@@ -213,7 +196,7 @@ def _why_not_cudnn(implementation, q, k, v, attention_mask, causal, dropout):
         rank = attention_mask.shape.rank
         if rank is None or not 2 <= rank <= 4:
             return f"its attention mask must be of rank 2 to 4 (got shape {attention_mask.shape})"
-    if dropout and not _cudnn_attention.dropout_runs():
+    if dropout:
         return _cudnn_attention.NO_DROPOUT
     reason = _cudnn_attention.supported(q, k, v, bias=attention_mask is not None, training=True)  # the gradient may be asked for
     if reason is None and not _cudnn_attention.in_xla_on_gpu(q):
