@@ -359,7 +359,8 @@ def test_estimate_checks_under_xla_and_training_confirms_it(request):
     # checked in the order of preference until one fits: plain does not
     assert rows["none"].predicted_by == "xla" and not rows["none"].fits
     recommended = found.recommended
-    assert recommended is not None and recommended.predicted_by == "xla" and recommended.remat != "none"
+    said = "\n".join(f"[{t:7.1f} s] {m}" for t, m in found.log)  # what was checked, should this fail
+    assert recommended is not None and recommended.predicted_by == "xla" and recommended.remat != "none", said
     assert "from: xla / graph = checked" in str(found)
     # the same runs checked by remat.plan at the same rows
     at_batch = direct.resident_bytes + direct.check(recommended.plan.runs)
@@ -698,6 +699,53 @@ def test_a_fit_row_whose_search_found_nothing_is_not_taken(monkeypatch):
     rows = _rows((None, "fit", 150), (64, "none", 90))
     checks = _Checks({64: 40})
     assert _order._first_that_fits(rows, checks, 256, 100 * _U, lambda line: None) is rows[1]
+
+
+@pytest.mark.parametrize("exact, rows, profiled_at_rows", [
+    (True, 256, True),  # checked at its own rows: a profile measured there is searched last
+    (False, 256, False),  # checked at the probes: no profile beyond the probes'
+    (True, 32, False),  # the row's rows are a probe's: its profile is the probes'
+])
+def test_a_fit_search_that_finds_nothing_from_the_probes_profiles_the_rows_themselves(
+        monkeypatch, exact, rows, profiled_at_rows):
+    """kvram.remat._order: where neither the probes' profile nor a second one
+    gives a choice that checks within the limit, and configurations are checked
+    at their own rows, the choices of a profile measured at the row's own rows
+    are searched (XLA's peaks on the CPU followed only the choices of such a
+    profile on one CI machine) before the row is taken not to fit."""
+    import types
+
+    from kvram.remat import _order, _plan
+
+    first, again, own = "first profile", "second profile", "own rows' profile"
+    monkeypatch.setattr(_order, "_probe_profiles", lambda *args: ("low", "high"))
+    monkeypatch.setattr(_order, "_scaled", lambda *args: again)
+    monkeypatch.setattr(_order, "_own_rows_profile", lambda model, chain, checker, at: own if at == rows else None)
+    searched = []
+
+    def plan_for(model, chain, profile, resident, limit, at, check):
+        searched.append(profile)
+        if profile != own:
+            raise ValueError("the least peak, checked, is above the limit")
+        return types.SimpleNamespace(recompute_fraction=0.3, predicted_peak_bytes=80 * _U, least_runs=((0, 2),))
+
+    monkeypatch.setattr(_plan, "_plan_for", plan_for)
+    (c,) = _rows((None, "fit", 150))
+    c._planning = (None, None, first, 10 * _U, rows)
+    c.plan = types.SimpleNamespace(recompute_fraction=0.1, runs=((1, 1),))
+    checks = _Checks({rows: 140}, exact=exact)
+    checks.batches, checks.loss, checks.least_runs, said = {16: None, 32: None}, None, {}, []
+    checks.log = said.append
+    found = _order._checked_fit(c, checks, 100 * _U)
+    assert searched == [first, again] + ([own] if profiled_at_rows else []), searched
+    assert said[0] == f"fit at {rows} rows: no choice checked within the limit; profiled again"
+    if profiled_at_rows:
+        assert said[1:] == [f"fit at {rows} rows: no choice checked within the limit; profiled at its {rows} rows"]
+        assert found and c.fits and c.predicted_peak_bytes == 80 * _U and checks.least_runs == {rows: ((0, 2),)}
+        assert c.relative_step_time == pytest.approx(1.2)  # the own rows' choice recomputes 0.3, not 0.1
+    else:
+        # the row shows its own choice's checked peak: 10 resident + 140
+        assert not found and not c.fits and c.predicted_peak_bytes == 150 * _U and checks.least_runs == {}
 
 
 def test_estimate_check_at_is_validated():

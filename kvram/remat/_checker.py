@@ -48,11 +48,14 @@ class Checker:
         # {rows: the least-memory runs a "fit" row's checked search found}
         self.least_runs = {}
 
+    def batch(self, rows):
+        """(x, y) of `rows` rows: a probe batch, or one made as they are."""
+        return self.batches.get(rows) or _batch(self.model, tuple(self.model.inputs[0].shape[1:]), rows)
+
     def _check(self, rows):
         """The check of a step at `rows` (a function of the recomputed runs)."""
         if rows not in self.checks:
-            shape = tuple(self.model.inputs[0].shape[1:])
-            x, y = self.batches.get(rows) or _batch(self.model, shape, rows)
+            x, y = self.batch(rows)
             inner = _step_check(self.model, self.chain, x, y, self.loss_fn, self.device, self.jit,
                                 steps=self.steps)
             seen = set()

@@ -175,20 +175,32 @@ def _checked_fit(c, checker, limit) -> bool:
     """Re-plans a "fit" row with checks; False when no choice fits (the
     least-memory choice, checked, does not either)."""
     model, chain, profile, resident, rows = c._planning
-    try:
-        chosen = _plan._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
-    except ValueError:  # the least peak, checked, is above the limit too (or out of memory)
-        # The cut-by-cut profile, from which the choices come, varies from run
-        # to run on the graph executor; XLA's peaks need not follow it (on the
-        # CPU it picked, one run in five, only choices XLA kept as high as
-        # without recomputation): the choices of a second profile are checked.
-        checker.log(f"fit at {rows} rows: no choice checked within the limit; profiled again")
-        profile = _scaled(*_probe_profiles(model, chain, checker.batches, checker.loss), *sorted(checker.batches), rows)
+    # The cut-by-cut profile, from which the choices come, varies from run to
+    # run on the graph executor, and XLA's peaks need not follow it: on the CPU
+    # (its allocator's peaks at 32, 64 or 128 MiB) a residual model at 64 rows
+    # peaked lower than without recomputation with none of its 45 single runs
+    # but with the programme's least-memory pair of runs of a profile at 64
+    # rows, while profiles extrapolated from 8 and 16 rows gave, on one CI
+    # machine without AVX-512, only choices XLA kept as high, twice running.
+    # Before the row is taken not to fit, the choices of a second profile at
+    # the probes are checked, then (where configurations are checked at their
+    # own rows) those of one measured at the row's own rows, as `remat.plan`
+    # measures a batch.
+    attempts = [("", lambda: profile), ("profiled again", lambda: _scaled(
+        *_probe_profiles(model, chain, checker.batches, checker.loss), *sorted(checker.batches), rows))]
+    if checker.exact and rows not in checker.batches:
+        attempts.append((f"profiled at its {rows} rows", lambda: _own_rows_profile(model, chain, checker, rows)))
+    for said, make in attempts:
+        if said:
+            checker.log(f"fit at {rows} rows: no choice checked within the limit; {said}")
         try:
-            chosen = _plan._plan_for(model, chain, profile, resident, limit, rows, checker.at(rows))
-        except ValueError:
-            _check(c, checker, limit)  # the row shows its own choice's checked peak
-            return False
+            chosen = _plan._plan_for(model, chain, make(), resident, limit, rows, checker.at(rows))
+            break
+        except ValueError:  # the least peak, checked, is above the limit too (or out of memory)
+            continue
+    else:
+        _check(c, checker, limit)  # the row shows its own choice's checked peak
+        return False
     checker.least_runs[rows] = chosen.least_runs
     _replace_plan(c, chosen, checker, limit)
     return c.fits
@@ -212,6 +224,13 @@ def _replace_plan(c, chosen, checker, limit):
     c.relative_step_time += chosen.recompute_fraction - c.plan.recompute_fraction
     c.plan, c.predicted_peak_bytes = chosen, chosen.predicted_peak_bytes
     c.predicted_by, c.fits = checker.name, chosen.predicted_peak_bytes <= limit
+
+
+def _own_rows_profile(model, chain, checker, rows):
+    """The cut-by-cut profile at `rows` themselves, not extrapolated (a step
+    out of the device's memory is measured in windows: `_profile._profiles`)."""
+    return profiling._profiles(model, chain, [checker.batch(rows)], checking._loss_function(model, checker.loss),
+                               memory._device_name(None), log=checker.log)[0]
 
 
 def _probe_profiles(model, chain, batches, loss):
