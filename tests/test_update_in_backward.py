@@ -6,6 +6,7 @@ import pytest
 
 import kvram
 from kvram import memory
+from tests.helpers import in_own_process
 
 
 def _mlp(layers=3, width=64, **kwargs):
@@ -57,11 +58,16 @@ def test_a_step_with_nonfinite_gradients_changes_nothing(jit):
 
 
 @pytest.mark.slow  # XLA compiles of an MLP of 8.4M parameters
-def test_under_xla_no_point_of_the_step_holds_every_gradient():
+def test_under_xla_no_point_of_the_step_holds_every_gradient(request):
     """The CPU allocator's peak of training steps beyond what stays (weights,
     moments, batch): the usual guarded step holds every gradient (its finiteness
     decides the update); with update_in_backward, the guard included, XLA
     frees each gradient once its update has read it."""
+    # fit()'s peak, in a process of its own: in the suite's, a clean clone's run
+    # measured 16.0 MiB with update_in_backward (8.4 alone), what earlier tests
+    # left running allocating meanwhile
+    if in_own_process(request):
+        return
     x, y = _data(8, 1024)
     peaks = {}
     for name, kwargs in (("usual", {}), ("in_backward", {"update_in_backward": True})):
