@@ -74,7 +74,12 @@ def test_micro_batches_over_epochs_with_a_short_last_batch():
 
 
 @pytest.mark.slow
-def test_micro_batches_lower_peak_memory():
+def test_micro_batches_lower_peak_memory(request):
+    # fit()'s peak, in a process of its own, as the suite's other fit() peaks are: in the
+    # suite's process what earlier tests left (threads that allocate, the allocator's free
+    # blocks) counts with it (alone: 88.0 and 32.0 MiB, the bar 44.0)
+    if in_own_process(request):
+        return
     keras.utils.set_random_seed(0)
 
     def wide(micro):

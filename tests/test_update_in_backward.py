@@ -65,7 +65,7 @@ def test_under_xla_no_point_of_the_step_holds_every_gradient(request):
     frees each gradient once its update has read it."""
     # fit()'s peak, in a process of its own: in the suite's, a clean clone's run
     # measured 16.0 MiB with update_in_backward (8.4 alone), what earlier tests
-    # left running allocating meanwhile
+    # left (threads that allocate, the allocator's free blocks) counted with it
     if in_own_process(request):
         return
     x, y = _data(8, 1024)
