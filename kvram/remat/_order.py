@@ -181,7 +181,7 @@ def _checked_fit(c, checker, limit) -> bool:
     # peaked lower than without recomputation with none of its 45 single runs
     # but with the programme's least-memory pair of runs of a profile at 64
     # rows, while profiles extrapolated from 8 and 16 rows gave, on one CI
-    # machine without AVX-512, only choices XLA kept as high, twice running.
+    # machine, only choices XLA kept as high, twice running.
     # Before the row is taken not to fit, the choices of a second profile at
     # the probes are checked, then (where configurations are checked at their
     # own rows) those of one measured at the row's own rows, as `remat.plan`
@@ -228,12 +228,13 @@ def _replace_plan(c, chosen, checker, limit):
 
 def _own_rows_profile(model, chain, checker, rows):
     """The cut-by-cut profile at `rows` themselves, not extrapolated (a step
-    out of the device's memory is measured in windows: `_profile._profiles`)."""
-    return profiling._profiles(model, chain, [checker.batch(rows)], checking._loss_function(model, checker.loss),
-                               memory._device_name(None), log=checker.log)[0]
+    out of the device's memory is measured in windows, and the log says so)."""
+    return _probe_profiles(model, chain, {rows: checker.batch(rows)}, checker.loss, checker.log)[0]
 
 
-def _probe_profiles(model, chain, batches, loss):
-    """The cut-by-cut profiles at the probe batches ({rows: (x, y)}), fewest rows first."""
+def _probe_profiles(model, chain, batches, loss, log=None):
+    """The cut-by-cut profiles at the probe batches ({rows: (x, y)}), fewest rows
+    first; `log`, if given, is told where a step is measured in windows
+    (`_profile._profiles`)."""
     return profiling._profiles(model, chain, [batches[rows] for rows in sorted(batches)],
-                               checking._loss_function(model, loss), memory._device_name(None))
+                               checking._loss_function(model, loss), memory._device_name(None), log=log)
