@@ -5,7 +5,8 @@ vocabulary 32000, untied head: KerasHub's default) of `depth` blocks, every weig
 `--sequence` tokens x `--batch` rows, every decoder block checkpointed (`remat.rebuild`),
 bfloat16 compute under XLA:
 
-- `keras_adamw`: Keras's `AdamW` under `mixed_bfloat16` (float32 weights, gradients and moments).
+- `keras_adamw`: Keras's `AdamW` under `mixed_bfloat16` (float32 weights, gradients and moments),
+  without the XLA flags and host pinning `import kvram` sets (as plain Keras runs).
 - `kvram_state`: `bfloat16` weights, kvram's `AdamW8bit` (8-bit moments, stochastic rounding),
   `kvram.Model(update_in_backward=True)`, `efficient_attention`, `lean_activations`,
   `fused_cross_entropy`.
@@ -32,11 +33,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
-    cap_first_gpu, child_result, gpu_name, result_header, run_child, versions, without_options, write_result,
+    cap_first_gpu, child_result, gpu_name, result_header, run_child, set_kvram_switches, versions, without_options,
+    write_result,
 )
 
 CONFIGS = {
-    "keras_adamw": "Keras AdamW, mixed_bfloat16 (float32 weights, gradients, moments), a Checkpoint on every block",
+    "keras_adamw": "Keras AdamW, mixed_bfloat16 (float32 weights, gradients, moments), a Checkpoint on every block, "
+                   "XLA's default flags (not kvram's)",
     "kvram_state": "bfloat16 weights, kvram AdamW8bit (stochastic rounding), kvram.Model(update_in_backward=True), "
                    "a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
     "kvram_offload": "bfloat16 weights, kvram.Model(host_offload=True): AdamW8bit state and float32 masters in host "
@@ -54,6 +57,7 @@ def _shape(args, depth) -> dict:
 
 def child(name, depth, args):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    set_kvram_switches({"plain": name == "keras_adamw"})  # Keras's run without kvram's XLA flags and pinning
     import kvram  # noqa: F401  (before TensorFlow: its XLA flags and allocator statistics)
     import tensorflow as tf
 
