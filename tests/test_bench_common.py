@@ -37,3 +37,30 @@ def test_run_children_hands_the_results_so_far_to_each_after_every_child(tmp_pat
                            each=lambda so_far: seen.append(sorted(so_far)))
     assert seen == [["a"], ["a", "bad"], ["a", "b", "bad"]]
     assert results["a"]["n"] == 7 and results["b"]["name"] == "b" and "bad child" in results["bad"]["error"]
+
+
+def test_capacity_combines_runs_of_one_shape_and_refuses_another_shape(tmp_path):
+    import json
+
+    import pytest
+
+    from benchmarks.optimizers.capacity import combine
+
+    def report(name, config, parameters, trained=True, hidden=2048):
+        settings = {"gpu_memory_gib": 24.0, "sequence": 2048, "batch": 1, "hidden": hidden, "intermediate": 8192,
+                    "heads": 32, "kv_heads": 8, "vocabulary": 32000, "steps": 8, "warmup": 3, "peak_tflops": 989.0,
+                    "device": "GPU:0", "runs": f"{config}:1", "timeout": None}
+        run = {"config": config, "depth": 1, "trained": trained, "parameters": parameters, "tokens_per_s": 1.0,
+               "mfu": 0.1, "peak_gib": 20.0}
+        path = tmp_path / name
+        path.write_text(json.dumps({"date": "2026-12-06", "commit": name, "command": f"python x {name}",
+                                    "gpu": "H200", "settings": settings, "runs": [run]}))
+        return str(path)
+
+    keras = report("a", "keras_adamw", 100)
+    combined = combine([keras, report("b", "keras_adamw", 120, trained=False), report("c", "kvram_state", 450)])
+    assert [r["commit"] for r in combined["runs"]] == ["a", "b", "c"]
+    assert combined["largest_trained"]["keras_adamw"]["parameters"] == 100
+    assert combined["kvram_parameters_over_keras"] == 4.5
+    with pytest.raises(SystemExit, match="differs .* in hidden"):
+        combine([keras, report("d", "kvram_state", 450, hidden=1024)])

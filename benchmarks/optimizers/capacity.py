@@ -158,6 +158,32 @@ def summary(runs: list) -> dict:
     return out
 
 
+_SHAPE = ("gpu_memory_gib", "sequence", "batch", "hidden", "intermediate", "heads", "kv_heads", "vocabulary",
+          "steps", "warmup", "peak_tflops", "device")
+
+
+def combine(paths: list) -> dict:
+    """One report of the runs in `paths`: result files of this script made side by side (one GPU,
+    one shape), each keeping its own date, commit and command."""
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            reports.append(json.load(f))
+    first = reports[0]
+    for path, report in zip(paths, reports):
+        differs = [k for k in _SHAPE if report["settings"].get(k) != first["settings"].get(k)]
+        if report["gpu"] != first["gpu"]:
+            differs.append("gpu")
+        if differs:
+            raise SystemExit(f"--combine takes runs of one shape on one GPU: {path} differs from {paths[0]} "
+                             f"in {', '.join(differs)}")
+    runs = [{**run, "date": r["date"], "commit": r["commit"], "command": r["command"]}
+            for r in reports for run in r["runs"]]
+    return {**result_header("optimizers-capacity", __file__), "gpu": first["gpu"],
+            "settings": {k: first["settings"].get(k) for k in _SHAPE}, "configs": CONFIGS, "runs": runs,
+            **summary(runs)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default="keras_adamw:18,keras_adamw:20,kvram_state:80",
@@ -177,8 +203,14 @@ def main():
     parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0 for a smoke run: no cap)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--combine", nargs="+", default=None, metavar="RESULT",
+                        help="result files of runs made side by side (one GPU, one shape): write one of all their runs")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.combine:
+        report = combine(args.combine)
+        write_result(args.out, report)
+        return print(json.dumps({k: report[k] for k in report if k in ("largest_trained", "kvram_parameters_over_keras")}))
     if args.child:
         name, _, depth = args.child.partition(":")
         return child(name, int(depth), args)
