@@ -7,6 +7,21 @@ import tensorflow as tf
 from kvram.optimizers import _blockwise, _rounding
 
 
+def _after(first, rest):
+    """(`first`, `rest` with every variable read) where each of `rest`'s values is computed from
+    `first` too: plus a zero taken from `first`'s first value (0 also where it is not finite),
+    a data dependency that XLA's schedulers (the GPU's and the CPU's: an optimization barrier is
+    removed before the CPU's schedules) and TensorFlow's executor all keep, so a computation that
+    needs only them (a weight's float32 state, its rounding noise) is not run before the
+    gradient it will be combined with, where it would hold every weight's copy at once."""
+    flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(rest)]
+    if not tf.executing_eagerly():
+        head = tf.reduce_sum(tf.cast(tf.reshape(first, [-1])[:1], tf.float32))
+        zero = tf.where(tf.math.is_finite(head), head * 0.0, 0.0)
+        flat = [t + tf.cast(zero, t.dtype) for t in flat]
+    return first, tf.nest.pack_sequence_as(rest, flat)
+
+
 @keras.saving.register_keras_serializable(package="kvram")
 class AdamW8bit(keras.optimizers.AdamW):
     """Keras's `AdamW` whose first and second moments take one byte per value instead of eight.
@@ -127,23 +142,26 @@ class AdamW8bit(keras.optimizers.AdamW):
         alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
         state = self._moments[self._get_variable_index(variable)]
         quantized = isinstance(state[0], tuple)
+        # read after the gradient exists: nothing here depends on it, and a scheduler free to run
+        # the reads early (XLA's, TensorFlow's executor) holds every weight's float32 state at once
+        gradient, read = _after(tf.convert_to_tensor(gradient), {"state": tf.nest.flatten(state), "weight": variable,
+                                           "step": self.iterations})
         if quantized:
-            (m_codes, m_scales), (v_codes, v_scales) = state
+            m_codes, m_scales, v_codes, v_scales = read["state"]
             m = _blockwise.dequantize(m_codes, m_scales, variable.shape, signed=True)
             v = tf.square(_blockwise.dequantize(v_codes, v_scales, variable.shape, signed=False))
         else:
-            m, v = (tf.convert_to_tensor(s) for s in state)
+            m, v = read["state"]
         m = m + (gradient - m) * (1 - beta_1)
         v = v + (tf.square(gradient) - v) * (1 - beta_2)
         update = m * alpha / (tf.sqrt(v) + self.epsilon)
         if self._rounded(variable):
-            self._assign_rounded(variable, update, lr)
+            self._assign_rounded(variable, read["weight"], read["step"], update, lr)
         else:
             self.assign_sub(variable, tf.cast(update, dtype))
         if quantized:
             # the second moment's root: half the decades of the second moment, so the map's finer ones
-            for (codes, scales), value, signed in (((m_codes, m_scales), m, True),
-                                                   ((v_codes, v_scales), tf.sqrt(v), False)):
+            for (codes, scales), value, signed in ((state[0], m, True), (state[1], tf.sqrt(v), False)):
                 new_codes, new_scales = _blockwise.quantize(value, self.block_size, signed=signed)
                 self.assign(codes, new_codes)
                 self.assign(scales, new_scales)
@@ -151,19 +169,21 @@ class AdamW8bit(keras.optimizers.AdamW):
             self.assign(state[0], m)
             self.assign(state[1], v)
 
-    def _assign_rounded(self, variable, update, lr):
-        """variable - weight decay - update, computed in float32 and rounded to bfloat16."""
+    def _assign_rounded(self, variable, value, step, update, lr):
+        """variable - weight decay - update, computed in float32 and rounded to bfloat16.
+        `value` and `step`: the variable and the iteration count, read after the gradient."""
         index = self._get_variable_index(variable)
-        weight = tf.cast(variable, tf.float32)
+        weight = tf.cast(value, tf.float32)
         delta = -update
         if self.weight_decay is not None and self._use_weight_decay(variable):
             delta = delta - weight * tf.cast(self.weight_decay, tf.float32) * lr
         if self.rounding == "kahan":
             compensation = self._compensations[index]
-            new, lost = _rounding.kahan_add(variable, compensation, delta)
+            _, lost_before = _after(update, compensation)
+            new, lost = _rounding.kahan_add(value, lost_before, delta)
             self.assign(compensation, lost)
-        else:  # a new draw per step and per variable
-            seed = tf.stack([tf.cast(self.iterations, tf.int32), tf.constant(index, tf.int32)])
+        else:  # a new draw per step and per variable, drawn once the update exists
+            seed = tf.stack([tf.cast(step, tf.int32), tf.constant(index, tf.int32)])
             new = _rounding.stochastic_round(weight + delta, seed)
         self.assign(variable, new)
 
