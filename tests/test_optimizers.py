@@ -139,9 +139,73 @@ def test_state_is_saved_and_restored_bit_for_bit(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def _factored_reference(gradients, weight, lr=1e-2, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    """Adam with Adafactor's factored second moment, in float64 (no weight decay): the weights
+    after each step and the rows' and columns' averages after the last. The betas as float32
+    holds them (1 - 0.999 is 0.0010000467 there)."""
+    beta_1, beta_2 = float(np.float32(beta_1)), float(np.float32(beta_2))
+    m = np.zeros_like(weight)
+    rows, columns = np.zeros(weight.shape[:-1]), np.zeros(weight.shape[:-2] + weight.shape[-1:])
+    weights = []
+    for step, g in enumerate(gradients, 1):
+        m = beta_1 * m + (1 - beta_1) * g
+        rows = beta_2 * rows + (1 - beta_2) * (g ** 2).mean(-1)
+        columns = beta_2 * columns + (1 - beta_2) * (g ** 2).mean(-2)
+        v = (rows / rows.mean(-1, keepdims=True))[..., None] * columns[..., None, :]
+        alpha = lr * np.sqrt(1 - beta_2 ** step) / (1 - beta_1 ** step)
+        weight = weight - alpha * m / (np.sqrt(v) + epsilon)
+        weights.append(weight)
+    return weights, rows, columns
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (3, 40, 24)])
+def test_a_factored_second_moment_is_adafactors(shape):
+    rng = np.random.default_rng(0)
+    start = rng.normal(size=shape)
+    gradients = [rng.normal(size=shape) * (1 + np.arange(shape[-1])) for _ in range(3)]
+    weight = keras.Variable(start.astype("float32"))
+    optimizer = AdamW8bit(1e-2, weight_decay=0.0, min_8bit_size=0, block_size=64, factored=True)
+    optimizer.build([weight])
+    weights, rows, columns = _factored_reference(gradients, start)
+    optimizer.apply([tf.constant(gradients[0], tf.float32)], [weight])
+    # the first step's first moment is exact (8-bit codes store later ones)
+    np.testing.assert_allclose(weight.numpy(), weights[0], rtol=0, atol=1e-5)
+    for g in gradients[1:]:
+        optimizer.apply([tf.constant(g, tf.float32)], [weight])
+    state = {v.path.split("/")[-1]: v.numpy() for v in optimizer.variables}
+    got_rows = next(v for n, v in state.items() if n.endswith("velocity_rows"))
+    got_columns = next(v for n, v in state.items() if n.endswith("velocity_columns"))
+    np.testing.assert_allclose(got_rows, rows, rtol=1e-5)
+    np.testing.assert_allclose(got_columns, columns, rtol=1e-5)
+    assert not any("velocity_codes" in n for n in state)
+    moved = np.abs(weights[-1] - start).mean()
+    assert np.abs(weight.numpy() - weights[-1]).mean() <= 0.05 * moved
+
+
+def test_a_factored_second_moment_holds_an_eighth_of_adamws_state_and_says_so():
+    optimizer = AdamW8bit(min_8bit_size=0, factored=True)
+    shapes = [(1024, 1024), (64, 8, 128), (4096,)]
+    optimizer.build([keras.Variable(np.zeros(shape, "float32")) for shape in shapes])
+    made = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables[2:])
+    assert made == sum(optimizer.state_bytes(shape) for shape in shapes)
+    assert optimizer.state_bytes((1024, 1024)) <= 0.15 * 2 * 4 * 1024 * 1024  # AdamW: two float32 moments
+    assert optimizer.state_bytes((4096,)) == AdamW8bit(min_8bit_size=0).state_bytes((4096,))  # one axis: 8-bit
+
+
+@pytest.mark.slow  # an XLA compile, a model saved and loaded
+def test_a_factored_second_moment_compiles_and_is_saved(tmp_path):
+    model = _weights_after(AdamW8bit(1e-3, factored=True), 8, jit=True)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert loaded.optimizer.factored
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
+        assert a.dtype == b.dtype and np.array_equal(a.numpy(), b.numpy()), a.path
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"amsgrad": True}, "amsgrad"), ({"block_size": 100}, "multiple of 64, got 100"),
-    ({"min_8bit_size": -1}, "non-negative integer, got -1")])
+    ({"min_8bit_size": -1}, "non-negative integer, got -1"), ({"factored": "yes"}, "True or False, got 'yes'")])
 def test_bad_arguments_say_what_was_given(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AdamW8bit(**kwargs)

@@ -7,6 +7,14 @@ import tensorflow as tf
 from kvram.optimizers import _blockwise, _rounding
 
 
+def _factors(shape) -> tuple:
+    """The shapes of a factored second moment's row and column averages for a weight of `shape`:
+    its means over the last axis and over the one before (leading axes kept, as Keras's
+    Adafactor keeps them)."""
+    shape = tuple(shape)
+    return shape[:-1], shape[:-2] + shape[-1:]
+
+
 def _after(first, rest):
     """(`first`, `rest` with every variable read) where each of `rest`'s values is computed from
     `first` too: plus a zero taken from `first`'s first value (0 also where it is not finite),
@@ -53,10 +61,17 @@ class AdamW8bit(keras.optimizers.AdamW):
             buffer per weight that carries what rounding lost into the next update: 2 bytes
             per value) or "nearest" (as Keras does). float32 weights are unaffected; float16
             weights are refused unless "nearest".
+        factored: keep the second moment of each 8-bit weight of two or more dimensions as
+            Adafactor does (Shazeer & Stern 2018; `keras.optimizers.Adafactor`): float32 moving
+            averages of the squared gradient's means over its last axis and over the one before,
+            whose outer product over their mean stands for it. About 1 byte per parameter of
+            optimizer state instead of 2 (the 8-bit first moment stays). False by default.
+            Chunks of a weight (`ShardedState`) keep the 8-bit second moment.
     """
 
     def __init__(self, learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, epsilon=1e-7,
-                 block_size=2048, min_8bit_size=4096, rounding="stochastic", name="adamw8bit", **kwargs):
+                 block_size=2048, min_8bit_size=4096, rounding="stochastic", factored=False, name="adamw8bit",
+                 **kwargs):
         if kwargs.get("amsgrad"):
             raise ValueError("AdamW8bit does not support amsgrad=True (its third moment would be float32); "
                              "use keras.optimizers.AdamW(amsgrad=True)")
@@ -67,16 +82,25 @@ class AdamW8bit(keras.optimizers.AdamW):
             raise ValueError(f"min_8bit_size must be a non-negative integer, got {min_8bit_size!r}")
         if rounding not in _rounding.ROUNDINGS:
             raise ValueError(f"rounding must be one of {', '.join(map(repr, _rounding.ROUNDINGS))}, got {rounding!r}")
+        if not isinstance(factored, (bool, np.bool_)):
+            raise ValueError(f"factored must be True or False, got {factored!r}")
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, beta_1=beta_1, beta_2=beta_2,
                          epsilon=epsilon, name=name, **kwargs)
         self.block_size = int(block_size)
         self.min_8bit_size = int(min_8bit_size)
         self.rounding = rounding
+        self.factored = bool(factored)
 
     def _quantized(self, variable) -> bool:
         # a chunk of a weight (ShardedState) is quantized as the whole weight is
         size = getattr(self, "_whole_sizes", {}).get(self._var_key(variable), int(np.prod(variable.shape)))
         return size >= self.min_8bit_size
+
+    def _factored(self, variable) -> bool:
+        """Whether `variable`'s second moment is factored (`factored`): 8-bit, two or more
+        dimensions, and a whole weight (not a ShardedState chunk)."""
+        return (self.factored and self._quantized(variable) and len(variable.shape) >= 2
+                and self._var_key(variable) not in getattr(self, "_whole_sizes", {}))
 
     def state_bytes(self, shape, dtype="float32") -> int:
         """Bytes of state `build` creates for one weight of `shape` (its moments, and a Kahan
@@ -85,7 +109,12 @@ class AdamW8bit(keras.optimizers.AdamW):
         total = 2 * n if dtype == "bfloat16" and self.rounding == "kahan" else 0
         if n >= self.min_8bit_size:
             blocks = _blockwise.padded_size(n, self.block_size) // self.block_size
-            total += 2 * (blocks * self.block_size + 4 * blocks)
+            moment = blocks * self.block_size + 4 * blocks
+            if self.factored and len(shape) >= 2:
+                rows, columns = _factors(shape)
+                total += moment + 4 * (int(np.prod(rows)) + int(np.prod(columns)))
+            else:
+                total += 2 * moment
         else:
             total += 8 * n
         if (self.gradient_accumulation_steps or 1) > 1:
@@ -96,7 +125,8 @@ class AdamW8bit(keras.optimizers.AdamW):
         if self.built:
             return
         keras.optimizers.Optimizer.build(self, var_list)  # not Adam's: its float32 moments are what this replaces
-        # per variable: (m, v) float32, or ((m codes, m scales), (v codes, v scales))
+        # per variable: (m, v) float32, ((m codes, m scales), (v codes, v scales)), or with `factored`
+        # ((m codes, m scales), (v rows, v columns))
         self._moments = []
         # per variable: its Kahan compensation (bfloat16 weights under rounding="kahan"), else None
         self._compensations = []
@@ -119,10 +149,15 @@ class AdamW8bit(keras.optimizers.AdamW):
                     for kind in ("momentum", "velocity")))
                 continue
             blocks = _blockwise.padded_size(int(np.prod(variable.shape)), self.block_size) // self.block_size
-            self._moments.append(tuple(
+            kinds = ("momentum",) if self._factored(variable) else ("momentum", "velocity")
+            moments = tuple(
                 (self.add_variable((blocks, self.block_size), dtype="int8", name=f"{name}_{kind}_codes"),
                  self.add_variable((blocks,), dtype="float32", name=f"{name}_{kind}_scales"))
-                for kind in ("momentum", "velocity")))
+                for kind in kinds)
+            if self._factored(variable):  # the second moment: its row and column means
+                moments += (tuple(self.add_variable(shape, dtype="float32", name=f"{name}_velocity_{kind}")
+                                  for kind, shape in zip(("rows", "columns"), _factors(variable.shape))),)
+            self._moments.append(moments)
 
     def _rounded(self, variable) -> bool:
         """Whether `variable`'s updates are rounded as `rounding` says (here, not by Keras)."""
@@ -146,20 +181,37 @@ class AdamW8bit(keras.optimizers.AdamW):
         # the reads early (XLA's, TensorFlow's executor) holds every weight's float32 state at once
         gradient, read = _after(tf.convert_to_tensor(gradient), {"state": tf.nest.flatten(state), "weight": variable,
                                            "step": self.iterations})
-        if quantized:
+        factored = self._factored(variable)
+        if factored:
+            m_codes, m_scales, rows, columns = read["state"]
+            m = _blockwise.dequantize(m_codes, m_scales, variable.shape, signed=True)
+        elif quantized:
             m_codes, m_scales, v_codes, v_scales = read["state"]
             m = _blockwise.dequantize(m_codes, m_scales, variable.shape, signed=True)
             v = tf.square(_blockwise.dequantize(v_codes, v_scales, variable.shape, signed=False))
         else:
             m, v = read["state"]
         m = m + (gradient - m) * (1 - beta_1)
-        v = v + (tf.square(gradient) - v) * (1 - beta_2)
+        if factored:  # Adafactor's: the squared gradient's means over the last axis and the one before
+            squared = tf.square(gradient)
+            rows = rows + (tf.reduce_mean(squared, axis=-1) - rows) * (1 - beta_2)
+            columns = columns + (tf.reduce_mean(squared, axis=-2) - columns) * (1 - beta_2)
+            mean = tf.reduce_mean(rows, axis=-1, keepdims=True)
+            v = (tf.expand_dims(tf.math.divide_no_nan(rows, mean), -1) * tf.expand_dims(columns, -2))
+        else:
+            v = v + (tf.square(gradient) - v) * (1 - beta_2)
         update = m * alpha / (tf.sqrt(v) + self.epsilon)
         if self._rounded(variable):
             self._assign_rounded(variable, read["weight"], read["step"], update, lr)
         else:
             self.assign_sub(variable, tf.cast(update, dtype))
-        if quantized:
+        if factored:
+            new_codes, new_scales = _blockwise.quantize(m, self.block_size, signed=True)
+            self.assign(state[0][0], new_codes)
+            self.assign(state[0][1], new_scales)
+            self.assign(state[1][0], rows)
+            self.assign(state[1][1], columns)
+        elif quantized:
             # the second moment's root: half the decades of the second moment, so the map's finer ones
             for (codes, scales), value, signed in ((state[0], m, True), (state[1], tf.sqrt(v), False)):
                 new_codes, new_scales = _blockwise.quantize(value, self.block_size, signed=signed)
@@ -190,5 +242,6 @@ class AdamW8bit(keras.optimizers.AdamW):
     def get_config(self):
         config = super().get_config()
         config.pop("amsgrad", None)
-        config.update({"block_size": self.block_size, "min_8bit_size": self.min_8bit_size, "rounding": self.rounding})
+        config.update({"block_size": self.block_size, "min_8bit_size": self.min_8bit_size, "rounding": self.rounding,
+                       "factored": self.factored})
         return config
