@@ -36,6 +36,8 @@ OPTIMIZERS = {
     "bf16_adamw8bit_nearest": ("bfloat16", _adamw8bit(rounding="nearest")),
     "bf16_adamw8bit_kahan": ("bfloat16", _adamw8bit(rounding="kahan")),
     "bf16_adamw8bit_stochastic": ("bfloat16", _adamw8bit(rounding="stochastic")),
+    "adamw8bit_factored": ("float32", _adamw8bit(factored=True)),
+    "bf16_adamw8bit_factored_stochastic": ("bfloat16", _adamw8bit(factored=True, rounding="stochastic")),
 }
 
 
