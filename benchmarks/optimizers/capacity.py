@@ -10,6 +10,8 @@ bfloat16 compute under XLA:
 - `kvram_state`: `bfloat16` weights, kvram's `AdamW8bit` (8-bit moments, stochastic rounding),
   `kvram.Model(update_in_backward=True)`, `efficient_attention`, `lean_activations`,
   `fused_cross_entropy`.
+- `kvram_factored`: as `kvram_state`, with `AdamW8bit(factored=True)` (an 8-bit first moment and
+  Adafactor's factored second moment: about 3 bytes per parameter with the weights).
 - `kvram_offload`: as `kvram_state` with `host_offload=True` instead of `update_in_backward`
   (state and float32 master weights on the host, `--accumulation` batches per update).
 - `kvram_gpu`: `kvram_offload`'s twin on the device (`mixed_bfloat16`, the same `AdamW8bit` and
@@ -42,6 +44,9 @@ CONFIGS = {
                    "XLA's default flags (not kvram's)",
     "kvram_state": "bfloat16 weights, kvram AdamW8bit (stochastic rounding), kvram.Model(update_in_backward=True), "
                    "a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
+    "kvram_factored": "bfloat16 weights, kvram AdamW8bit(factored=True) (stochastic rounding), "
+                      "kvram.Model(update_in_backward=True), a Checkpoint on every block, efficient_attention, "
+                      "lean_activations, fused_cross_entropy",
     "kvram_offload": "bfloat16 weights, kvram.Model(host_offload=True): AdamW8bit state and float32 masters in host "
                      "memory, a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
     "kvram_gpu": "mixed_bfloat16, kvram AdamW8bit on the device, kvram.Model(accumulation_steps), a Checkpoint on every "
@@ -70,8 +75,9 @@ def child(name, depth, args):
     from benchmarks.common import timed_fit
     from kvram import remat
 
-    lean = name in ("kvram_state", "kvram_offload", "kvram_gpu")
-    keras.config.set_dtype_policy("bfloat16" if name in ("kvram_state", "kvram_offload") else "mixed_bfloat16")
+    lean = name in ("kvram_state", "kvram_factored", "kvram_offload", "kvram_gpu")
+    keras.config.set_dtype_policy(
+        "bfloat16" if name in ("kvram_state", "kvram_factored", "kvram_offload") else "mixed_bfloat16")
     keras.utils.set_random_seed(0)
     shape = _shape(args, depth)
     backbone = keras_hub.models.LlamaBackbone(**shape)
@@ -90,7 +96,8 @@ def child(name, depth, args):
         optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01)  # float32 weights or masters
     elif lean:
         model = kvram.Model(model.input, model.output, update_in_backward=True, name=model.name)
-        optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01, rounding="stochastic")
+        optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01, rounding="stochastic",
+                                               factored=name == "kvram_factored")
     else:
         optimizer = keras.optimizers.AdamW(1e-4, weight_decay=0.01)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -153,8 +160,9 @@ def summary(runs: list) -> dict:
                                       "tokens_per_s": run["tokens_per_s"], "mfu": run["mfu"],
                                       "peak_gib": run["peak_gib"]}
     out = {"largest_trained": largest}
-    if "keras_adamw" in largest and "kvram_state" in largest:
-        out["kvram_parameters_over_keras"] = largest["kvram_state"]["parameters"] / largest["keras_adamw"]["parameters"]
+    kvram = [largest[c]["parameters"] for c in ("kvram_state", "kvram_factored") if c in largest]
+    if "keras_adamw" in largest and kvram:
+        out["kvram_parameters_over_keras"] = max(kvram) / largest["keras_adamw"]["parameters"]
     return out
 
 
