@@ -3,7 +3,8 @@
 Gemma 2B's shape (18 layers, hidden 2048, 8 query heads and 1 key/value head of 256,
 intermediate 32768, vocabulary 256000: 2.5 B parameters), `backbone.enable_lora(--rank)`
 (the query and value projections' factors are the only trainable weights), Keras's
-`AdamW`, `mixed_bfloat16`. How to run it: README.md.
+`AdamW`, `mixed_bfloat16`; with `--base int8`, `backbone.quantize("int8")` first (int8 frozen
+weights, as KerasHub's Gemma fine-tuning guide has them). How to run it: README.md.
 
     python benchmarks/optimizers/lora.py --layers 2 --hidden 64 --heads 2 --head-dim 32 \
         --intermediate 128 --vocabulary 512 --sequence 32 --steps 2 --warmup 1 --device CPU:0  # smoke run"""
@@ -26,6 +27,9 @@ def main():
     parser.add_argument("--gpu-memory-gib", type=float, default=16.0)
     parser.add_argument("--budget-gib", type=float, default=None, help="remat.plan's budget (default: cap - 0.5)")
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--base", choices=("float32", "int8"), default="float32",
+                        help="the frozen weights: float32 (mixed_bfloat16's variables) or int8 (quantize('int8') "
+                             "before enable_lora, as KerasHub's Gemma fine-tuning guide does)")
     parser.add_argument("--sequence", type=int, default=1024)
     # one row of 1024: the float32 weights (mixed_bfloat16: 10 GB) and the 256000-word logits and their
     # gradient in float32 (1 GB each per 1024 tokens) leave no room for a second row under 16 GiB
@@ -62,6 +66,8 @@ def main():
         vocabulary_size=args.vocabulary, num_layers=args.layers, num_query_heads=args.heads,
         num_key_value_heads=args.kv_heads, hidden_dim=args.hidden, intermediate_dim=args.intermediate,
         head_dim=args.head_dim)
+    if args.base == "int8":
+        backbone.quantize("int8")
     backbone.enable_lora(args.rank)
     logits = keras.layers.Activation("linear", dtype="float32", name="logits")(
         backbone.token_embedding(backbone.output, reverse=True))
