@@ -8,7 +8,8 @@ bfloat16 compute under XLA:
 - `keras_adamw`: Keras's `AdamW` under `mixed_bfloat16` (float32 weights, gradients and moments),
   without the XLA flags and host pinning `import kvram` sets (as plain Keras runs).
 - `kvram_state`: `bfloat16` weights, kvram's `AdamW8bit` (8-bit moments, stochastic rounding),
-  `kvram.Model(update_in_backward=True)`, `efficient_attention`, `lean_activations`,
+  `kvram.Model(update_in_backward=True)` (without the non-finite guard's second backward pass unless
+  `--skip-nonfinite 1`: Keras applies every step too), `efficient_attention`, `lean_activations`,
   `fused_cross_entropy`.
 - `kvram_factored`: as `kvram_state`, with `AdamW8bit(factored=True)` (an 8-bit first moment and
   Adafactor's factored second moment: about 3 bytes per parameter with the weights).
@@ -42,10 +43,11 @@ from benchmarks.common import (  # noqa: E402
 CONFIGS = {
     "keras_adamw": "Keras AdamW, mixed_bfloat16 (float32 weights, gradients, moments), a Checkpoint on every block, "
                    "XLA's default flags (not kvram's)",
-    "kvram_state": "bfloat16 weights, kvram AdamW8bit (stochastic rounding), kvram.Model(update_in_backward=True), "
-                   "a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
+    "kvram_state": "bfloat16 weights, kvram AdamW8bit (stochastic rounding), kvram.Model(update_in_backward=True; "
+                   "skip_nonfinite per --skip-nonfinite), a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
     "kvram_factored": "bfloat16 weights, kvram AdamW8bit(factored=True) (stochastic rounding), "
-                      "kvram.Model(update_in_backward=True), a Checkpoint on every block, efficient_attention, "
+                      "kvram.Model(update_in_backward=True; skip_nonfinite per --skip-nonfinite), a Checkpoint on "
+                      "every block, efficient_attention, "
                       "lean_activations, fused_cross_entropy",
     "kvram_offload": "bfloat16 weights, kvram.Model(host_offload=True): AdamW8bit state and float32 masters in host "
                      "memory, a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
@@ -95,7 +97,8 @@ def child(name, depth, args):
                             accumulation_steps=args.accumulation, name=model.name)
         optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01)  # float32 weights or masters
     elif lean:
-        model = kvram.Model(model.input, model.output, update_in_backward=True, name=model.name)
+        model = kvram.Model(model.input, model.output, update_in_backward=True, name=model.name,
+                            skip_nonfinite=bool(args.skip_nonfinite))
         optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01, rounding="stochastic",
                                                factored=name == "kvram_factored")
     else:
@@ -205,6 +208,9 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocabulary", type=int, default=32000)
     parser.add_argument("--accumulation", type=int, default=8, help="batches per update (kvram_offload)")
+    parser.add_argument("--skip-nonfinite", type=int, choices=(0, 1), default=0,
+                        help="kvram_state/kvram_factored: 1 guards each step (a second backward pass decides "
+                             "the skip), 0 applies every step as Keras does (the default)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 TFLOP/s, for MFU")
