@@ -44,11 +44,11 @@ CONFIGS = {
     "keras_adamw": "Keras AdamW, mixed_bfloat16 (float32 weights, gradients, moments), a Checkpoint on every block, "
                    "XLA's default flags (not kvram's)",
     "kvram_state": "bfloat16 weights, kvram AdamW8bit (stochastic rounding), kvram.Model(update_in_backward=True; "
-                   "skip_nonfinite per --skip-nonfinite), a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
+                   "skip_nonfinite per --skip-nonfinite), a Checkpoint on every block, efficient_attention, "
+                   "lean_activations, fused_cross_entropy",
     "kvram_factored": "bfloat16 weights, kvram AdamW8bit(factored=True) (stochastic rounding), "
                       "kvram.Model(update_in_backward=True; skip_nonfinite per --skip-nonfinite), a Checkpoint on "
-                      "every block, efficient_attention, "
-                      "lean_activations, fused_cross_entropy",
+                      "every block, efficient_attention, lean_activations, fused_cross_entropy",
     "kvram_offload": "bfloat16 weights, kvram.Model(host_offload=True): AdamW8bit state and float32 masters in host "
                      "memory, a Checkpoint on every block, efficient_attention, lean_activations, fused_cross_entropy",
     "kvram_gpu": "mixed_bfloat16, kvram AdamW8bit on the device, kvram.Model(accumulation_steps), a Checkpoint on every "
