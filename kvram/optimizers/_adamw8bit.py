@@ -179,8 +179,8 @@ class AdamW8bit(keras.optimizers.AdamW):
         quantized = isinstance(state[0], tuple)
         # read after the gradient exists: nothing here depends on it, and a scheduler free to run
         # the reads early (XLA's, TensorFlow's executor) holds every weight's float32 state at once
-        gradient, read = _after(tf.convert_to_tensor(gradient), {"state": tf.nest.flatten(state), "weight": variable,
-                                           "step": self.iterations})
+        gradient, read = _after(tf.convert_to_tensor(gradient),
+                                {"state": tf.nest.flatten(state), "weight": variable, "step": self.iterations})
         factored = self._factored(variable)
         if factored:
             m_codes, m_scales, rows, columns = read["state"]
