@@ -16,8 +16,7 @@ def _factors(shape) -> tuple:
 
 
 def _after(first, rest):
-    """(`first`, `rest` with every variable read) where each of `rest`'s values is computed from
-    `first` too: plus a zero taken from `first`'s first value (0 also where it is not finite),
+    """`rest` with every variable read, each of its values computed from `first` too: plus a zero taken from `first`'s first value (0 also where it is not finite),
     a data dependency that XLA's schedulers (the GPU's and the CPU's: an optimization barrier is
     removed before the CPU's schedules) and TensorFlow's executor all keep, so a computation that
     needs only them (a weight's float32 state, its rounding noise) is not run before the
@@ -27,7 +26,7 @@ def _after(first, rest):
         head = tf.reduce_sum(tf.cast(tf.reshape(first, [-1])[:1], tf.float32))
         zero = tf.where(tf.math.is_finite(head), head * 0.0, 0.0)
         flat = [t + tf.cast(zero, t.dtype) for t in flat]
-    return first, tf.nest.pack_sequence_as(rest, flat)
+    return tf.nest.pack_sequence_as(rest, flat)
 
 
 @keras.saving.register_keras_serializable(package="kvram")
@@ -149,12 +148,12 @@ class AdamW8bit(keras.optimizers.AdamW):
                     for kind in ("momentum", "velocity")))
                 continue
             blocks = _blockwise.padded_size(int(np.prod(variable.shape)), self.block_size) // self.block_size
-            kinds = ("momentum",) if self._factored(variable) else ("momentum", "velocity")
+            factored = self._factored(variable)
             moments = tuple(
                 (self.add_variable((blocks, self.block_size), dtype="int8", name=f"{name}_{kind}_codes"),
                  self.add_variable((blocks,), dtype="float32", name=f"{name}_{kind}_scales"))
-                for kind in kinds)
-            if self._factored(variable):  # the second moment: its row and column means
+                for kind in (("momentum",) if factored else ("momentum", "velocity")))
+            if factored:  # the second moment: its row and column means
                 moments += (tuple(self.add_variable(shape, dtype="float32", name=f"{name}_velocity_{kind}")
                                   for kind, shape in zip(("rows", "columns"), _factors(variable.shape))),)
             self._moments.append(moments)
@@ -175,20 +174,24 @@ class AdamW8bit(keras.optimizers.AdamW):
         step = tf.cast(self.iterations + 1, tf.float32)
         beta_1, beta_2 = tf.cast(self.beta_1, tf.float32), tf.cast(self.beta_2, tf.float32)
         alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
-        state = self._moments[self._get_variable_index(variable)]
+        index = self._get_variable_index(variable)
+        state = self._moments[index]
         quantized = isinstance(state[0], tuple)
+        factored = self._factored(variable)
+        gradient = tf.convert_to_tensor(gradient)
         # read after the gradient exists: nothing here depends on it, and a scheduler free to run
         # the reads early (XLA's, TensorFlow's executor) holds every weight's float32 state at once
-        gradient, read = _after(tf.convert_to_tensor(gradient),
-                                {"state": tf.nest.flatten(state), "weight": variable, "step": self.iterations})
-        factored = self._factored(variable)
-        if factored:
-            m_codes, m_scales, rows, columns = read["state"]
+        reads = {"state": tf.nest.flatten(state), "weight": variable, "step": self.iterations}
+        if self._compensations[index] is not None:
+            reads["compensation"] = self._compensations[index]
+        read = _after(gradient, reads)
+        if quantized:
+            m_codes, m_scales, *second = read["state"]
             m = _blockwise.dequantize(m_codes, m_scales, variable.shape, signed=True)
-        elif quantized:
-            m_codes, m_scales, v_codes, v_scales = read["state"]
-            m = _blockwise.dequantize(m_codes, m_scales, variable.shape, signed=True)
-            v = tf.square(_blockwise.dequantize(v_codes, v_scales, variable.shape, signed=False))
+            if factored:
+                rows, columns = second
+            else:
+                v = tf.square(_blockwise.dequantize(*second, variable.shape, signed=False))
         else:
             m, v = read["state"]
         m = m + (gradient - m) * (1 - beta_1)
@@ -202,40 +205,37 @@ class AdamW8bit(keras.optimizers.AdamW):
             v = v + (tf.square(gradient) - v) * (1 - beta_2)
         update = m * alpha / (tf.sqrt(v) + self.epsilon)
         if self._rounded(variable):
-            self._assign_rounded(variable, read["weight"], read["step"], update, lr)
+            self._assign_rounded(variable, index, read, update, lr)
         else:
             self.assign_sub(variable, tf.cast(update, dtype))
-        if factored:
-            new_codes, new_scales = _blockwise.quantize(m, self.block_size, signed=True)
-            self.assign(state[0][0], new_codes)
-            self.assign(state[0][1], new_scales)
-            self.assign(state[1][0], rows)
-            self.assign(state[1][1], columns)
-        elif quantized:
+        if quantized:
             # the second moment's root: half the decades of the second moment, so the map's finer ones
-            for (codes, scales), value, signed in ((state[0], m, True), (state[1], tf.sqrt(v), False)):
+            stored = ((state[0], m, True),) + (() if factored else ((state[1], tf.sqrt(v), False),))
+            for (codes, scales), value, signed in stored:
                 new_codes, new_scales = _blockwise.quantize(value, self.block_size, signed=signed)
                 self.assign(codes, new_codes)
                 self.assign(scales, new_scales)
+            if factored:
+                self.assign(state[1][0], rows)
+                self.assign(state[1][1], columns)
         else:
             self.assign(state[0], m)
             self.assign(state[1], v)
 
-    def _assign_rounded(self, variable, value, step, update, lr):
+    def _assign_rounded(self, variable, index, read, update, lr):
         """variable - weight decay - update, computed in float32 and rounded to bfloat16.
-        `value` and `step`: the variable and the iteration count, read after the gradient."""
-        index = self._get_variable_index(variable)
+        `read`: the variable ("weight"), the iteration count ("step") and the Kahan buffer
+        ("compensation", under rounding="kahan"), read after the gradient (`_after`)."""
+        value = read["weight"]
         weight = tf.cast(value, tf.float32)
         delta = -update
         if self.weight_decay is not None and self._use_weight_decay(variable):
             delta = delta - weight * tf.cast(self.weight_decay, tf.float32) * lr
         if self.rounding == "kahan":
-            compensation = self._compensations[index]
-            _, lost_before = _after(update, compensation)
-            new, lost = _rounding.kahan_add(value, lost_before, delta)
-            self.assign(compensation, lost)
-        else:  # a new draw per step and per variable, drawn once the update exists
-            seed = tf.stack([tf.cast(step, tf.int32), tf.constant(index, tf.int32)])
+            new, lost = _rounding.kahan_add(value, read["compensation"], delta)
+            self.assign(self._compensations[index], lost)
+        else:  # a new draw per step and per variable, drawn once the gradient exists
+            seed = tf.stack([tf.cast(read["step"], tf.int32), tf.constant(index, tf.int32)])
             new = _rounding.stochastic_round(weight + delta, seed)
         self.assign(variable, new)
 
