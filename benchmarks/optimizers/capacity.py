@@ -55,6 +55,7 @@ CONFIGS = {
                  "block, efficient_attention, lean_activations, fused_cross_entropy",
 }
 _ACCUMULATING = ("kvram_offload", "kvram_gpu")
+_IN_BACKWARD = ("kvram_state", "kvram_factored")  # kvram's on-device state options (update_in_backward)
 
 
 def _shape(args, depth) -> dict:
@@ -77,9 +78,8 @@ def child(name, depth, args):
     from benchmarks.common import timed_fit
     from kvram import remat
 
-    lean = name in ("kvram_state", "kvram_factored", "kvram_offload", "kvram_gpu")
-    keras.config.set_dtype_policy(
-        "bfloat16" if name in ("kvram_state", "kvram_factored", "kvram_offload") else "mixed_bfloat16")
+    lean = name in _IN_BACKWARD + _ACCUMULATING
+    keras.config.set_dtype_policy("bfloat16" if name in _IN_BACKWARD + ("kvram_offload",) else "mixed_bfloat16")
     keras.utils.set_random_seed(0)
     shape = _shape(args, depth)
     backbone = keras_hub.models.LlamaBackbone(**shape)
@@ -163,7 +163,7 @@ def summary(runs: list) -> dict:
                                       "tokens_per_s": run["tokens_per_s"], "mfu": run["mfu"],
                                       "peak_gib": run["peak_gib"]}
     out = {"largest_trained": largest}
-    kvram = [largest[c]["parameters"] for c in ("kvram_state", "kvram_factored") if c in largest]
+    kvram = [largest[c]["parameters"] for c in _IN_BACKWARD if c in largest]
     if "keras_adamw" in largest and kvram:
         out["kvram_parameters_over_keras"] = max(kvram) / largest["keras_adamw"]["parameters"]
     return out
