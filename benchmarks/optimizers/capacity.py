@@ -125,6 +125,7 @@ def child(name, depth, args):
                   "wall_s_with_compile": time.perf_counter() - started,
                   "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                   "batches_per_update": args.accumulation if name in _ACCUMULATING else 1,
+                  "xla_flags": os.environ.get("XLA_FLAGS", ""),
                   "versions": versions()})
 
 
