@@ -62,5 +62,8 @@ def test_capacity_combines_runs_of_one_shape_and_refuses_another_shape(tmp_path)
     assert [r["commit"] for r in combined["runs"]] == ["a", "b", "c"]
     assert combined["largest_trained"]["keras_adamw"]["parameters"] == 100
     assert combined["kvram_parameters_over_keras"] == 4.5
+    again = tmp_path / "combined"
+    again.write_text(json.dumps(combined))
+    assert [r["commit"] for r in combine([str(again), report("e", "keras_adamw", 130)])["runs"]] == ["a", "b", "c", "e"]
     with pytest.raises(SystemExit, match="differs .* in hidden"):
         combine([keras, report("d", "kvram_state", 450, hidden=1024)])

@@ -175,8 +175,8 @@ _SHAPE = ("gpu_memory_gib", "sequence", "batch", "hidden", "intermediate", "head
 
 
 def combine(paths: list) -> dict:
-    """One report of the runs in `paths`: result files of this script made side by side (one GPU,
-    one shape), each keeping its own date, commit and command."""
+    """One report of the runs in `paths`: result files of this script (or reports this function
+    made) of one GPU and one shape, each run keeping its own date, commit and command."""
     reports = []
     for path in paths:
         with open(path) as f:
@@ -189,7 +189,8 @@ def combine(paths: list) -> dict:
         if differs:
             raise SystemExit(f"--combine takes runs of one shape on one GPU: {path} differs from {paths[0]} "
                              f"in {', '.join(differs)}")
-    runs = [{**run, "date": r["date"], "commit": r["commit"], "command": r["command"]}
+    # a combined report's runs keep their own date, commit and command
+    runs = [{"date": r["date"], "commit": r["commit"], "command": r["command"], **run}
             for r in reports for run in r["runs"]]
     return {**result_header("optimizers-capacity", __file__), "gpu": first["gpu"],
             "settings": {k: first["settings"].get(k) for k in _SHAPE}, "configs": CONFIGS, "runs": runs,
