@@ -3,18 +3,21 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kvram
 from kvram import memory
 from tests.helpers import in_own_process
 
 
-def _mlp(layers=3, width=64, **kwargs):
+def _mlp(layers=3, width=64, checkpointed=False, **kwargs):
+    """Dense layers; `checkpointed`: each a kvram.layers.Checkpoint block, and the head outside them."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((width,))
     h = inputs
     for _ in range(layers):
-        h = keras.layers.Dense(width, activation="relu")(h)
+        dense = keras.layers.Dense(width, activation="relu")
+        h = (kvram.layers.Checkpoint(dense) if checkpointed else dense)(h)
     return kvram.Model(inputs, keras.layers.Dense(10)(h), **kwargs)
 
 
@@ -33,12 +36,83 @@ def _trained(jit, epochs=2, **kwargs):
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("skip_nonfinite", [True, False])
-def test_it_trains_as_the_usual_step_does(jit, skip_nonfinite):
-    usual = _trained(jit)
-    ours = _trained(jit, update_in_backward=True, skip_nonfinite=skip_nonfinite)
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_it_trains_as_the_usual_step_does(jit, skip_nonfinite, checkpointed):
+    usual = _trained(jit, checkpointed=checkpointed)
+    ours = _trained(jit, update_in_backward=True, skip_nonfinite=skip_nonfinite, checkpointed=checkpointed)
     for a, b in zip(usual.get_weights(), ours.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     assert int(ours.optimizer.iterations) == int(usual.optimizer.iterations) == 8
+
+
+@pytest.mark.parametrize("skip_nonfinite", [True, False])
+def test_checkpoint_blocks_apply_their_updates_in_their_backward_pass(skip_nonfinite, monkeypatch):
+    """Each block's weights are updated by its own backward pass, and the gradient it passes on
+    is computed from the values stored: the block before cannot start its backward pass first."""
+    from kvram.layers import _in_backward
+
+    applied = []
+    apply = _in_backward.Updates.apply
+
+    def spy(self, variables, gradients):
+        left, zero = apply(self, variables, gradients)
+        if zero is not None:
+            applied.append(sorted(v.name.split("/")[-1].split(":")[0] for v, g in zip(variables, left) if g is None))
+        return left, zero
+
+    monkeypatch.setattr(_in_backward.Updates, "apply", spy)
+    model = _mlp(checkpointed=True, update_in_backward=True, skip_nonfinite=skip_nonfinite)
+    model.compile(keras.optimizers.AdamW(1e-3), "sparse_categorical_crossentropy", steps_per_execution=1)
+    x, y = _data(8)
+
+    def step():
+        return model.train_step((tf.constant(x), tf.constant(y)))
+
+    graph = tf.function(step).get_concrete_function().graph
+    # each block's backward pass applies its kernel and bias (3 blocks per trace of the step)
+    assert applied and len(applied) % 3 == 0 and all(names == ["bias", "kernel"] for names in applied)
+
+    def ancestors(op):
+        seen, stack = set(), [op]
+        while stack:
+            for t in stack.pop().inputs:
+                if t.op.name not in seen:
+                    seen.add(t.op.name)
+                    stack.append(t.op)
+        return seen
+
+    # the blocks' backward MatMuls (2 a block; the head's are outside them): in the pass that
+    # applies, the last block's wait for no update, the two blocks before it for a later block's
+    backward = [op for op in graph.get_operations()
+                if op.type == "MatMul" and op.name.startswith("gradient_tape/") and "functional" not in op.name]
+    waiting = [op for op in backward if any(n.startswith("update_in_backward") for n in ancestors(op))]
+    passes = 2 if skip_nonfinite else 1  # skip_nonfinite: a first pass decides the skip, and applies nothing
+    assert len(backward) == 6 * passes and len(waiting) == 4
+
+
+def test_a_weight_read_in_a_block_and_outside_it_is_refused():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    dense = keras.layers.Dense(8)
+    model = kvram.Model(inputs, dense(kvram.layers.Checkpoint(dense)(inputs)), update_in_backward=True)
+    model.compile(keras.optimizers.AdamW(1e-3), "mse", jit_compile=False)
+    with pytest.raises(ValueError, match=r"dense.*kernel.*is also read outside the block.*Allowed: each weight"):
+        model.fit(np.ones((4, 8), "float32"), np.ones((4, 8), "float32"), verbose=0)
+
+
+def test_a_weight_shared_by_two_blocks_is_updated_after_the_backward_pass():
+    def trained(update_in_backward):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        dense = keras.layers.Dense(8, activation="tanh")
+        h = kvram.layers.Checkpoint(dense)(kvram.layers.Checkpoint(dense)(inputs))
+        model = kvram.Model(inputs, keras.layers.Dense(8)(h), update_in_backward=update_in_backward)
+        model.compile(keras.optimizers.AdamW(1e-2), "mse", jit_compile=False)
+        model.fit(np.ones((4, 8), "float32"), np.zeros((4, 8), "float32"), epochs=3, verbose=0)
+        return model.get_weights()
+
+    for a, b in zip(trained(False), trained(True)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -150,12 +224,13 @@ def test_it_is_saved_with_the_model(tmp_path):
     assert keras.saving.load_model(tmp_path / "m.keras").update_in_backward is True
 
 
-def test_kvram_optimizers_are_gated_too_bfloat16_weights_and_kahan_buffers_included():
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_kvram_optimizers_are_gated_too_bfloat16_weights_and_kahan_buffers_included(checkpointed):
     from kvram.optimizers import AdamW8bit
 
     keras.config.set_dtype_policy("bfloat16")
     try:
-        model = _mlp(update_in_backward=True)
+        model = _mlp(update_in_backward=True, checkpointed=checkpointed)
         model.compile(AdamW8bit(1e-3, weight_decay=0.01, rounding="kahan", min_8bit_size=0, block_size=64),
                       "sparse_categorical_crossentropy", steps_per_execution=1)
         model.fit(*_data(8), batch_size=8, epochs=1, verbose=0)

@@ -11,6 +11,7 @@ import tensorflow as tf
 from keras import tree
 
 from kvram._state import mutable_state
+from kvram.layers import _in_backward
 from kvram.layers._order import after
 
 __all__ = ["Checkpoint", "POLICIES"]
@@ -176,7 +177,12 @@ class Checkpoint(keras.layers.Layer):
         inputs = [flat_args[i] for i in tensor_positions]
         if getattr(_compiling, "on", False):
             forward = tf.function(forward, jit_compile=True, autograph=False)
-        outputs = tf.recompute_grad(forward)(*inputs, *snapshot)
+        updates = _in_backward.current()  # kvram.Model(update_in_backward=True)'s step
+        if updates is not None and not tf.executing_eagerly():
+            updates.read_by_block(self.layer)
+            outputs = _in_backward.recompute_grad(forward, updates)(*inputs, *snapshot)
+        else:
+            outputs = tf.recompute_grad(forward)(*inputs, *snapshot)
         if carries_logits:
             # Keras's softmax and sigmoid hang their logits on their output
             # (`_keras_logits`, graph tensors only), and its cross-entropies

@@ -110,6 +110,7 @@ class Model(keras.Model):
         update_in_backward: bool. True: no step holds every gradient at once;
             each weight's update uses its gradient as soon as it is made, and
             XLA frees it then (PyTorch's "optimizer step in the backward pass").
+            Checkpoint blocks apply theirs first (kvram/layers/_in_backward.py).
             With `skip_nonfinite` the backward pass runs twice: once to decide
             the skip (each gradient reduced to a flag as it is made), once to
             apply them (the same forward pass, so the same gradients), each

@@ -14,7 +14,7 @@ import tensorflow as tf
 from keras import tree
 from keras.src.losses import loss as loss_module
 
-from kvram.layers import checkpoint
+from kvram.layers import _in_backward, checkpoint
 from kvram.training import _batch_statistics
 
 
@@ -180,16 +180,22 @@ def update_in_backward(model, state, x, y, sample_weight):
             f"update_in_backward=True cannot run over {context.num_replicas_in_sync} replicas: their gradients "
             "are summed before any update. Allowed: one device, or update_in_backward=False.")
     weights = model.trainable_weights
-    with tf.GradientTape(persistent=model.skip_nonfinite) as tape:
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(weights)
+    # kvram.layers.Checkpoint blocks apply their own weights' updates in their backward pass
+    # (kvram/training/_in_backward.py); the rest are applied after it
+    updates = _in_backward.Updates(optimizer, weights) if _in_backward.supported(optimizer) else None
+    with _in_backward.watching(updates), tf.GradientTape(persistent=model.skip_nonfinite) as tape:
         loss, y_pred = _forward(model, x, y, sample_weight)
-    if not model.optimizer.built:
-        model.optimizer.build(weights)
     if not model.skip_nonfinite:
-        gradients = tape.gradient(loss, weights)
+        with _in_backward.applying(updates) if updates else contextlib.nullcontext():
+            gradients = tape.gradient(loss, weights)
+        gradients, rest = _left_after_the_blocks(updates, gradients, weights)
         if watches_skips(model):  # counted (max_consecutive_skips), not skipped
-            finite = all_finite(gradients)
+            finite = tf.reduce_all([all_finite(gradients), *(updates.finite if updates else [])])
             _count_skip(state, finite, bad_inputs(finite, (x, y, sample_weight), model))
-        model.optimizer.apply(gradients, weights)
+        _apply(optimizer, gradients, rest)
         return y_pred
     finite = all_finite(tape.gradient(loss, weights))
     _count_skip(state, finite, bad_inputs(finite, (x, y, sample_weight), model))
@@ -197,9 +203,37 @@ def update_in_backward(model, state, x, y, sample_weight):
     # again (32.3 MiB against 8.4 without, the test's MLP of 32 MiB of gradients). Each
     # assignment selects its old value instead where the step is skipped; the second
     # backward pass starts from the flag itself (1 where applied), so it follows the first.
-    with _gated(model.optimizer, finite):
-        model.optimizer.apply(tape.gradient(loss, weights, output_gradients=tf.cast(finite, loss.dtype)), weights)
+    with _gated(optimizer, finite):
+        with _in_backward.applying(updates) if updates else contextlib.nullcontext():
+            gradients = tape.gradient(loss, weights, output_gradients=tf.cast(finite, loss.dtype))
+        _apply(optimizer, *_left_after_the_blocks(updates, gradients, weights))
     return y_pred
+
+
+def _left_after_the_blocks(updates, gradients, weights):
+    """(gradients, weights) that the blocks' backward passes did not apply. A weight updated in
+    its block that also has a gradient from outside every block is refused: its update ran on
+    part of its gradient."""
+    if not updates or not updates.applied:
+        return gradients, weights
+    applied = {id(w) for w in updates.applied}
+    also_outside = [w.path for g, w in zip(gradients, weights) if id(w) in applied and g is not None]
+    if also_outside:
+        raise ValueError(
+            f"update_in_backward=True updates each kvram.layers.Checkpoint block's weights in its backward pass, "
+            f"but {', '.join(also_outside)} is also read outside the block, so its gradient is only whole after "
+            "the pass. Allowed: each weight read inside one Checkpoint block or outside every block (share a "
+            "weight between blocks or between a block and the rest of the model by keeping it out of the blocks).")
+    kept = [(g, w) for g, w in zip(gradients, weights) if id(w) not in applied]
+    return [g for g, _ in kept], [w for _, w in kept]
+
+
+def _apply(optimizer, gradients, weights):
+    """`optimizer.apply`, which also counts the step where every weight was updated in the backward pass."""
+    if weights:
+        optimizer.apply(gradients, weights)
+    else:
+        optimizer.iterations.assign_add(1)
 
 
 @contextlib.contextmanager
