@@ -25,13 +25,9 @@ import threading
 
 import tensorflow as tf
 
+from kvram.layers._order import zero_from
+
 _current = threading.local()
-
-
-def _zero_from(value):
-    """0.0 (float32) computed from `value`'s first element, also where it is not finite."""
-    head = tf.cast(tf.reshape(value, [-1])[:1], tf.float32)
-    return tf.reduce_sum(tf.where(tf.math.is_finite(head), head * 0.0, 0.0))
 
 
 def supported(optimizer) -> bool:
@@ -99,7 +95,7 @@ class Updates:
                 else:
                     delattr(optimizer, name)
         self.applied.extend(weights)
-        zero = tf.add_n([_zero_from(tf.convert_to_tensor(v)) for v in weights + stored])
+        zero = tf.add_n([zero_from(tf.convert_to_tensor(v)) for v in weights + stored])
         left = list(gradients)
         for i in owned:
             left[i] = None
@@ -150,7 +146,7 @@ def recompute_grad(f, updates):
             variables = list(variables or [])
             with tf.GradientTape() as tape:
                 # recomputed once the gradient arrives, as tf.recompute_grad orders it
-                zero = _zero_from(dresult[0])
+                zero = zero_from(dresult[0])
                 inputs = [tf.identity(a) + tf.cast(zero, a.dtype) if a.dtype.is_floating or a.dtype.is_integer
                           else tf.identity(a) for a in args]
                 tape.watch(inputs)

@@ -12,7 +12,7 @@ from keras import tree
 
 from kvram._state import mutable_state
 from kvram.layers import _in_backward
-from kvram.layers._order import after
+from kvram.layers._order import after, zero_from
 
 __all__ = ["Checkpoint", "POLICIES"]
 
@@ -150,6 +150,8 @@ class Checkpoint(keras.layers.Layer):
         tensor_positions = [i for i, a in enumerate(flat_args) if tf.is_tensor(a)]
         state = mutable_state(self.layer)  # not frozen weights: kvram/_state.py
         snapshot = [tf.identity(v.value) for v in state]
+        stateful = {id(v) for v in state}
+        weights = [w for w in self.layer.weights if id(w) not in stateful]
         n_in = len(tensor_positions)
         carries_logits = []
         dots = _Dots(self.layer) if self.policy == "save_dots" else None
@@ -164,7 +166,8 @@ class Checkpoint(keras.layers.Layer):
             call_args = list(flat_args)
             for position, tensor in zip(tensor_positions, tensors[:n_in]):
                 call_args[position] = tensor
-            with dots.replaying() if dots is not None else contextlib.nullcontext():
+            with dots.replaying() if dots is not None else contextlib.nullcontext(), \
+                    _weights_read_after(self.layer, weights, state, tensors[:n_in]):
                 outputs = self.layer(*tree.pack_sequence_as(args, call_args), **kwargs)
             logits = getattr(outputs, "_keras_logits", None) if tf.is_tensor(outputs) else None
             if logits is None:
@@ -271,6 +274,38 @@ class _Dots:
             return dense_epilogue(layer, x)
 
         return call
+
+
+@contextlib.contextmanager
+def _weights_read_after(layer, weights, state, tensors):
+    """Within, `layer` reads each of `weights` (its trainable and frozen weights, not its state)
+    as its value plus a zero computed from `tensors` (the block's inputs; in the recomputation,
+    `tf.recompute_grad` has made them wait for the gradient). What the block computes from
+    weights alone (a LoRA layer's merged kernel `kernel + b @ a`, an int8 kernel dequantized)
+    is then computed again in the backward pass, not held from the forward pass: XLA had held
+    it, merging the recomputation's copy with the forward pass's (a float32 merged kernel per
+    LoRA Dense, 4 bytes a frozen parameter; tests/test_checkpoint.py). A weight's gradient
+    reaches it through the read. Updates the layer makes to its state within (collected by
+    `keras.StatelessScope`) are assigned on exit, and its losses added to it."""
+    numeric = [t for t in tensors if t.dtype.is_floating or t.dtype.is_integer]
+    if not weights or not numeric or tf.executing_eagerly():
+        yield
+        return
+    zero = zero_from(numeric[0])
+    scope = keras.StatelessScope(collect_losses=True)
+    for weight in weights:
+        # the variable's own value and dtype (`.value` and `.dtype` are the compute dtype's
+        # here, under mixed precision); `add_update`: the scope's constructor would cast it so
+        raw = tf.convert_to_tensor(getattr(weight, "_value", weight))
+        scope.add_update((weight, raw + tf.cast(zero, raw.dtype)))
+    with scope:
+        yield
+    for variable in state:
+        value = scope.get_current_value(variable)
+        if value is not None:
+            variable.assign(value)
+    if scope.losses:
+        layer.add_loss(scope.losses)
 
 
 def dense_epilogue(layer, x):
