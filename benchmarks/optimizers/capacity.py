@@ -199,7 +199,7 @@ def combine(paths: list) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", default="keras_adamw:21,keras_adamw:22,keras_adamw:23,kvram_factored:99",
+    parser.add_argument("--runs", default="keras_adamw:23,keras_adamw:24,kvram_factored:99",
                         help="configuration:depth items, comma-separated, each in its own process")
     parser.add_argument("--gpu-memory-gib", type=float, default=24.0)
     parser.add_argument("--sequence", type=int, default=2048)
