@@ -150,8 +150,11 @@ class Checkpoint(keras.layers.Layer):
         tensor_positions = [i for i, a in enumerate(flat_args) if tf.is_tensor(a)]
         state = mutable_state(self.layer)  # not frozen weights: kvram/_state.py
         snapshot = [tf.identity(v.value) for v in state]
-        stateful = {id(v) for v in state}
-        weights = [w for w in self.layer.weights if id(w) not in stateful]
+        # read after the inputs (`_weights_read_after`) where the block has no state: with
+        # BatchNormalization's statistics in it, XLA on the CPU then held the forward pass's
+        # activations again (a residual CNN's least-memory plan peaked at 64.9 MiB, not 32.9;
+        # tests/test_plan.py), a cause not found
+        weights = [] if state else list(self.layer.weights)
         n_in = len(tensor_positions)
         carries_logits = []
         dots = _Dots(self.layer) if self.policy == "save_dots" else None
@@ -167,7 +170,7 @@ class Checkpoint(keras.layers.Layer):
             for position, tensor in zip(tensor_positions, tensors[:n_in]):
                 call_args[position] = tensor
             with dots.replaying() if dots is not None else contextlib.nullcontext(), \
-                    _weights_read_after(self.layer, weights, state, tensors[:n_in]):
+                    _weights_read_after(self.layer, weights, tensors[:n_in]):
                 outputs = self.layer(*tree.pack_sequence_as(args, call_args), **kwargs)
             logits = getattr(outputs, "_keras_logits", None) if tf.is_tensor(outputs) else None
             if logits is None:
@@ -277,32 +280,34 @@ class _Dots:
 
 
 @contextlib.contextmanager
-def _weights_read_after(layer, weights, state, tensors):
-    """Within, `layer` reads each of `weights` (its trainable and frozen weights, not its state)
-    as its value plus a zero computed from `tensors` (the block's inputs; in the recomputation,
+def _weights_read_after(layer, weights, tensors):
+    """Within, `layer` reads each of `weights` (its trainable and frozen weights) as its value
+    plus a zero computed from `tensors` (the block's inputs; in the recomputation,
     `tf.recompute_grad` has made them wait for the gradient). What the block computes from
-    weights alone (a LoRA layer's merged kernel `kernel + b @ a`, an int8 kernel dequantized)
+    weights alone (a LoRA layer's merged kernel `kernel + a @ b`, an int8 kernel dequantized)
     is then computed again in the backward pass, not held from the forward pass: XLA had held
     it, merging the recomputation's copy with the forward pass's (a float32 merged kernel per
     LoRA Dense, 4 bytes a frozen parameter; tests/test_checkpoint.py). A weight's gradient
-    reaches it through the read. Updates the layer makes to its state within (collected by
-    `keras.StatelessScope`) are assigned on exit, and its losses added to it."""
+    reaches it through the read. A variable the layer assigns within (`keras.StatelessScope`
+    collects it) is assigned on exit, and the losses it adds are added to it."""
     numeric = [t for t in tensors if t.dtype.is_floating or t.dtype.is_integer]
     if not weights or not numeric or tf.executing_eagerly():
         yield
         return
     zero = zero_from(numeric[0])
     scope = keras.StatelessScope(collect_losses=True)
+    mapped = {}
     for weight in weights:
         # the variable's own value and dtype (`.value` and `.dtype` are the compute dtype's
         # here, under mixed precision); `add_update`: the scope's constructor would cast it so
         raw = tf.convert_to_tensor(getattr(weight, "_value", weight))
-        scope.add_update((weight, raw + tf.cast(zero, raw.dtype)))
+        mapped[id(weight)] = raw + tf.cast(zero, raw.dtype)
+        scope.add_update((weight, mapped[id(weight)]))
     with scope:
         yield
-    for variable in state:
+    for variable in layer.variables:
         value = scope.get_current_value(variable)
-        if value is not None:
+        if value is not None and value is not mapped.get(id(variable)):
             variable.assign(value)
     if scope.losses:
         layer.add_loss(scope.losses)
