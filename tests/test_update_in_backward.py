@@ -243,3 +243,24 @@ def test_kvram_optimizers_are_gated_too_bfloat16_weights_and_kahan_buffers_inclu
             np.testing.assert_array_equal(a, v.numpy())
     finally:
         keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_without_the_guard_a_nonfinite_step_is_counted_blocks_included(checkpointed):
+    """skip_nonfinite=False applies every step; with max_consecutive_skips the non-finite ones
+    are counted. Checkpointed, every weight (the head's too) is applied in a block's backward
+    pass, so only the blocks' own flags can count it."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    h = inputs
+    for width in (64, 64, 10):
+        dense = keras.layers.Dense(width, activation="relu" if width == 64 else None)
+        h = (kvram.layers.Checkpoint(dense) if checkpointed else dense)(h)
+    model = kvram.Model(inputs, h, update_in_backward=True, skip_nonfinite=False, max_consecutive_skips=5)
+    model.compile(keras.optimizers.AdamW(1e-3), "sparse_categorical_crossentropy", steps_per_execution=1)
+    model.fit(*_data(8), batch_size=8, epochs=1, verbose=0)
+    assert model.skipped_steps == 0
+    x, y = _data(8)
+    x[3, 5] = np.nan
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.skipped_steps == 1

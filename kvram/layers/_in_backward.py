@@ -23,6 +23,7 @@ import collections
 import contextlib
 import threading
 
+import keras
 import tensorflow as tf
 
 from kvram.layers._order import zero_from
@@ -32,27 +33,26 @@ _current = threading.local()
 
 def supported(optimizer) -> bool:
     """Whether `optimizer`'s update of some weights can run apart from the others'."""
-    import keras
-
     return not (isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or optimizer.global_clipnorm
                 or optimizer.use_ema or (optimizer.gradient_accumulation_steps or 1) > 1)
 
 
 class Updates:
     """One step's updates in the backward pass: the blocks' weights (counted while the forward
-    pass runs, under `watching`) and the updates applied (under `applying`)."""
+    pass runs, under `watching`) and the updates applied (under `applying`). `finite`, if given,
+    reduces a block's applied gradients to whether they are all finite (`self.finite`, a flag a block)."""
 
-    def __init__(self, optimizer, weights):
+    def __init__(self, optimizer, weights, finite=None):
         self.optimizer = optimizer
-        self._weights = {id(_handle(w)): w for w in weights}
+        self._weights = {id(handle(w)): w for w in weights}
         self._reads = collections.Counter()  # per weight: the Checkpoint calls that read it
+        self._all_finite = finite
         self.applying = False
         self.applied = []  # the weights updated in a block
-        self.finite = []  # per block: whether its gradients were all finite
+        self.finite = []  # per block: whether its gradients were all finite (with `finite`)
 
     def read_by_block(self, layer) -> None:
-        for weight in {id(_handle(w)): w for w in layer.trainable_weights}:
-            self._reads[weight] += 1
+        self._reads.update({id(handle(w)) for w in layer.trainable_weights})
 
     def apply(self, variables, gradients):
         """Applies the gradients of the weights that only this block reads; returns the gradients
@@ -65,7 +65,8 @@ class Updates:
             return gradients, None
         weights = [self._weights[id(variables[i])] for i in owned]
         grads = [gradients[i] for i in owned]
-        self.finite.append(tf.reduce_all([tf.reduce_all(tf.math.is_finite(tf.cast(g, tf.float32))) for g in grads]))
+        if self._all_finite is not None:
+            self.finite.append(self._all_finite(grads))
         stored = []
         optimizer = self.optimizer
         assign, assign_add, assign_sub = optimizer.assign, optimizer.assign_add, optimizer.assign_sub
@@ -102,7 +103,7 @@ class Updates:
         return left, zero
 
 
-def _handle(weight):
+def handle(weight):
     """The tf.Variable behind a Keras variable (what a custom gradient's `variables` holds)."""
     return getattr(weight, "_value", weight)
 

@@ -300,7 +300,7 @@ def _weights_read_after(layer, weights, tensors):
     for weight in weights:
         # the variable's own value and dtype (`.value` and `.dtype` are the compute dtype's
         # here, under mixed precision); `add_update`: the scope's constructor would cast it so
-        raw = tf.convert_to_tensor(getattr(weight, "_value", weight))
+        raw = tf.convert_to_tensor(_in_backward.handle(weight))
         mapped[id(weight)] = raw + tf.cast(zero, raw.dtype)
         scope.add_update((weight, mapped[id(weight)]))
     with scope:

@@ -184,8 +184,10 @@ def update_in_backward(model, state, x, y, sample_weight):
     if not optimizer.built:
         optimizer.build(weights)
     # kvram.layers.Checkpoint blocks apply their own weights' updates in their backward pass
-    # (kvram/training/_in_backward.py); the rest are applied after it
-    updates = _in_backward.Updates(optimizer, weights) if _in_backward.supported(optimizer) else None
+    # (kvram/layers/_in_backward.py); the rest are applied after it
+    counted = watches_skips(model) and not model.skip_nonfinite  # the blocks' finiteness, counted below
+    updates = (_in_backward.Updates(optimizer, weights, finite=all_finite if counted else None)
+               if _in_backward.supported(optimizer) else None)
     with _in_backward.watching(updates), tf.GradientTape(persistent=model.skip_nonfinite) as tape:
         loss, y_pred = _forward(model, x, y, sample_weight)
     if not model.skip_nonfinite:
