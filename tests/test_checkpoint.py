@@ -339,3 +339,28 @@ def test_under_xla_what_a_block_derives_from_its_weights_is_recomputed_not_held(
         keras.config.set_dtype_policy("float32")
     held = 4 * 2 * width * width * 4  # 4 more blocks' merged kernels in float32: 2 MiB
     assert grown < held / 8, (grown, held)
+
+
+def test_outside_xla_a_block_reads_its_weights_without_copying_them():
+    """Read after its inputs (as under XLA), a frozen 16 MiB kernel was copied whole in a
+    graph-mode step, as `remat.plan` measures in (a Gemma-2B's 2 GB tied embedding there):
+    outside XLA a block reads its weights as they are."""
+    keras.utils.set_random_seed(0)
+    n = 2048
+    frozen = keras.layers.Dense(n, use_bias=False)
+    frozen.build((None, n))
+    frozen.trainable = False
+    wrapped = Checkpoint(keras.Sequential([frozen, keras.layers.Dense(8)]))
+    x, y = tf.random.normal((2, n)), tf.random.normal((2, 8))
+    wrapped(x)
+    variables = wrapped.trainable_variables
+
+    @tf.function(jit_compile=False)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((wrapped(x, training=True) - y) ** 2)
+        return tape.gradient(loss, variables)
+
+    _, peak = run_with_peak(step, x, y, warm=True)
+    kernel = n * n * 4
+    assert peak < kernel / 4, (peak, kernel)

@@ -12,6 +12,7 @@ from keras import tree
 
 from kvram._state import mutable_state
 from kvram.layers import _in_backward
+from kvram.layers._cudnn_attention import in_xla
 from kvram.layers._order import after, zero_from
 
 __all__ = ["Checkpoint", "POLICIES"]
@@ -288,10 +289,15 @@ def _weights_read_after(layer, weights, tensors):
     is then computed again in the backward pass, not held from the forward pass: XLA had held
     it, merging the recomputation's copy with the forward pass's (a float32 merged kernel per
     LoRA Dense, 4 bytes a frozen parameter; tests/test_checkpoint.py). A weight's gradient
-    reaches it through the read. A variable the layer assigns within (`keras.StatelessScope`
+    reaches it through the read. Only in a step XLA compiles: the sum is a copy of the weight,
+    which XLA fuses into what reads it where it can (a cast), and outside XLA nothing merged
+    the two copies (a graph-mode step, as `remat.plan` measures in, held a float32 copy of a
+    Gemma-2B's 2 GB tied embedding). XLA's optimization barrier, which JAX's checkpoint passes
+    its inputs through and which copies nothing, did not keep the copies apart under XLA on the
+    CPU (`tests/test_checkpoint.py` measured 2.16 MB grown against 2.10 MB held; why not looked into). A variable the layer assigns within (`keras.StatelessScope`
     collects it) is assigned on exit, and the losses it adds are added to it."""
     numeric = [t for t in tensors if t.dtype.is_floating or t.dtype.is_integer]
-    if not weights or not numeric or tf.executing_eagerly():
+    if not weights or not numeric or not in_xla(numeric[0]):
         yield
         return
     zero = zero_from(numeric[0])
