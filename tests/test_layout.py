@@ -9,7 +9,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # From the bottom up: a module may import its own room and the rooms below it.
 ROOMS = [
     ("kvram._env", "kvram._state"),
-    ("kvram._version", "kvram._quiet", "kvram._checks", "kvram._einsum", "kvram._xla_flags", "kvram._custom_gradient",
+    ("kvram._version", "kvram._quiet", "kvram._checks", "kvram._einsum", "kvram._order", "kvram._xla_flags", "kvram._custom_gradient",
      "kvram.memory", "kvram.precision"),
     ("kvram._plan_process",),
     ("kvram.layers", "kvram.data", "kvram.optimizers"),

@@ -26,7 +26,7 @@ import threading
 import keras
 import tensorflow as tf
 
-from kvram.layers._order import zero_from
+from kvram._order import zero_from
 
 _current = threading.local()
 

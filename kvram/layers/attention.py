@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from kvram import _checks
 from kvram.layers import _cudnn_attention
-from kvram.layers._order import after
+from kvram._order import after
 
 __all__ = ["MemoryEfficientAttention", "chunked_attention"]
 

@@ -13,7 +13,7 @@ from keras import tree
 from kvram._state import mutable_state
 from kvram.layers import _in_backward
 from kvram.layers._cudnn_attention import in_xla
-from kvram.layers._order import after, zero_from
+from kvram._order import after, zero_from
 
 __all__ = ["Checkpoint", "POLICIES"]
 

@@ -23,7 +23,7 @@ import math
 import keras
 import tensorflow as tf
 
-from kvram.layers._order import after
+from kvram._order import after
 
 
 def _exact_value(x):

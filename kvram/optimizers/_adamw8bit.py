@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kvram._order import zero_from
 from kvram.optimizers import _blockwise, _rounding
 
 
@@ -16,15 +17,15 @@ def _factors(shape) -> tuple:
 
 
 def _after(first, rest):
-    """`rest` with every variable read, each of its values computed from `first` too: plus a zero taken from `first`'s first value (0 also where it is not finite),
-    a data dependency that XLA's schedulers (the GPU's and the CPU's: an optimization barrier is
-    removed before the CPU's schedules) and TensorFlow's executor all keep, so a computation that
-    needs only them (a weight's float32 state, its rounding noise) is not run before the
-    gradient it will be combined with, where it would hold every weight's copy at once."""
+    """`rest` with every variable read, each of its values plus a zero taken from `first`
+    (`kvram._order.zero_from`): a data dependency that XLA's schedulers (the GPU's and the CPU's:
+    an optimization barrier is removed before the CPU's schedules) and TensorFlow's executor all
+    keep, so a computation that needs only them (a weight's float32 state, its rounding noise) is
+    not run before the gradient it will be combined with, where it would hold every weight's copy
+    at once."""
     flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(rest)]
     if not tf.executing_eagerly():
-        head = tf.reduce_sum(tf.cast(tf.reshape(first, [-1])[:1], tf.float32))
-        zero = tf.where(tf.math.is_finite(head), head * 0.0, 0.0)
+        zero = zero_from(first)
         flat = [t + tf.cast(zero, t.dtype) for t in flat]
     return tf.nest.pack_sequence_as(rest, flat)
 

@@ -1,4 +1,5 @@
-"""Ordering a backward pass's recomputation after its gradient under XLA."""
+"""Ordering under XLA, which ignores control dependencies: a backward pass's recomputation after
+its gradient, and what is computed from weights or state after a value it must follow."""
 
 from __future__ import annotations
 
