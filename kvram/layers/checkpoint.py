@@ -282,32 +282,49 @@ class _Dots:
 
 @contextlib.contextmanager
 def _weights_read_after(layer, weights, tensors):
-    """Within, `layer` reads each of `weights` (its trainable and frozen weights) as its value
-    plus a zero computed from `tensors` (the block's inputs; in the recomputation,
+    """Within, `layer` reads each of `weights` (its trainable and frozen weights) only once
+    `tensors` exist (the block's inputs; in the recomputation,
     `tf.recompute_grad` has made them wait for the gradient). What the block computes from
     weights alone (a LoRA layer's merged kernel `kernel + a @ b`, an int8 kernel dequantized)
     is then computed again in the backward pass, not held from the forward pass: XLA had held
     it, merging the recomputation's copy with the forward pass's (a float32 merged kernel per
     LoRA Dense, 4 bytes a frozen parameter; tests/test_checkpoint.py). A weight's gradient
-    reaches it through the read. Only in a step XLA compiles: the sum is a copy of the weight,
-    which XLA fuses into what reads it where it can (a cast), and outside XLA nothing merged
-    the two copies (a graph-mode step, as `remat.plan` measures in, held a float32 copy of a
-    Gemma-2B's 2 GB tied embedding). XLA's optimization barrier, which JAX's checkpoint passes
-    its inputs through and which copies nothing, did not keep the copies apart under XLA on the
-    CPU (`tests/test_checkpoint.py` measured 2.16 MB grown against 2.10 MB held; why not looked into). A variable the layer assigns within (`keras.StatelessScope`
+    reaches it through the read. Under XLA, which ignores control dependencies, the read is the
+    value plus a zero computed from the inputs: a sum XLA fuses into what reads the weight where it
+    can (a cast). Outside XLA it is the value under a control dependency on the inputs, since the
+    sum is a copy there (a graph-mode step, as `remat.plan` measures in, copied a Gemma-2B's 2 GB
+    float32 tied embedding whole). Without either, TensorFlow's executor computed what the
+    recomputation derives from weights alone at the step's start and held it. In one op order on
+    the CPU (tests/test_checkpoint.py), four checkpointed blocks of two 512 x 8192 LoRA Dense
+    peaked at 260.0 MiB reading plainly, 85.5 MiB under the control dependency and 86.0 with the
+    sum; a 4-layer LoRA Gemma (hidden 256, intermediate 2048) planned alike peaked at 38.5 MiB
+    both plainly and under the control dependency and at 32.5 with the sum (three of its merged
+    kernels' 2 MiB, as if held; why is not known). XLA's optimization barrier, which JAX's
+    checkpoint passes its inputs through and which copies nothing, did not keep the copies apart
+    under XLA on the CPU (2.16 MB grown against 2.10 MB held); `tf.identity_n` with the inputs
+    did not order the reads outside XLA. A variable the layer assigns within (`keras.StatelessScope`
     collects it) is assigned on exit, and the losses it adds are added to it."""
     numeric = [t for t in tensors if t.dtype.is_floating or t.dtype.is_integer]
-    if not weights or not numeric or not in_xla(numeric[0]):
+    if not weights or not numeric or tf.executing_eagerly():
         yield
         return
-    zero = zero_from(numeric[0])
+    if in_xla(numeric[0]):
+        zero = zero_from(numeric[0])
+
+        def read(raw):
+            return raw + tf.cast(zero, raw.dtype)
+    else:
+        def read(raw):
+            with tf.control_dependencies([numeric[0]]):
+                return tf.identity(raw)  # in TensorFlow's executor the identity copies nothing
+
     scope = keras.StatelessScope(collect_losses=True)
     mapped = {}
     for weight in weights:
         # the variable's own value and dtype (`.value` and `.dtype` are the compute dtype's
         # here, under mixed precision); `add_update`: the scope's constructor would cast it so
         raw = tf.convert_to_tensor(_in_backward.handle(weight))
-        mapped[id(weight)] = raw + tf.cast(zero, raw.dtype)
+        mapped[id(weight)] = read(raw)
         scope.add_update((weight, mapped[id(weight)]))
     with scope:
         yield
