@@ -1,5 +1,6 @@
 """Ordering under XLA, which ignores control dependencies: a backward pass's recomputation after
-its gradient, and what is computed from weights or state after a value it must follow."""
+its gradient, and what is computed from weights or state after a value it must follow; and
+whether a trace is XLA's (`in_xla`)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,11 @@ def zero_from(value):
     element is not finite: a data dependency that orders what it is added to after `value`."""
     head = tf.cast(tf.reshape(value, [-1])[:1], tf.float32)
     return tf.reduce_sum(tf.where(tf.math.is_finite(head), head * 0.0, 0.0))
+
+
+def in_xla(x) -> bool:
+    """Whether `x` is being traced into an XLA-compiled function."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util
+
+    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())

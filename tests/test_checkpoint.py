@@ -371,7 +371,10 @@ def test_outside_xla_what_a_block_derives_from_its_weights_is_computed_in_its_tu
     """TensorFlow's executor runs an op once its inputs exist: a recomputation's merged LoRA
     kernel (or dequantized int8 kernel) needs only weights, so it ran at the step's start and
     was held to the backward pass (125.0 -> 260.0 MiB from 2 to 4 blocks of 512 x 8192 LoRA
-    Dense). Read under a control dependency on the block's inputs, it waits for them."""
+    Dense). Read after the block's inputs, it waits for them. From 2 to 4 blocks here: 16.0
+    (LoRA) and 9.0 MiB (int8) read plainly; every weight under a control dependency, 0.0 and
+    1.0-2.5 MiB (alone, after this file's other tests, in `pytest -m "not slow"`); the weights
+    under 1 MiB through the sum, 0.0 and -0.5 MiB."""
     from tests.helpers import one_op_order
 
     width, inner = 256, 2048

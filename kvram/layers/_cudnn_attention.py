@@ -43,6 +43,8 @@ import json
 
 import tensorflow as tf
 
+from kvram._order import in_xla
+
 # Tensor-core engine 0 with the knobs XLA's rewriter sets (cudnn_fused_mha_rewriter.cc).
 _ALGORITHM = {"algo_id": "0", "math_type": "TENSOR_OP_MATH", "tuning_knobs": {"17": "1", "24": "0"},
               "is_cudnn_frontend": True, "workspace_size": "0"}
@@ -74,14 +76,6 @@ def call_target(bias: bool, dropout: bool, backward: bool) -> str:
     """The custom call's name, as XLA's cuDNN fMHA runtime knows it."""
     return ("__cudnn$fmha" + ("ScaleBias" if bias else "") + "Softmax" + ("Dropout" if dropout else "")
             + ("Backward" if backward else ""))
-
-
-def in_xla(x) -> bool:
-    """Whether `x` is being traced into an XLA-compiled function."""
-    from tensorflow.python.framework import ops
-    from tensorflow.python.ops import control_flow_util
-
-    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
 
 def in_xla_on_gpu(x) -> bool:

@@ -9,8 +9,8 @@ import keras
 import tensorflow as tf
 
 from kvram import _checks
+from kvram._order import after, in_xla
 from kvram.layers import _cudnn_attention
-from kvram._order import after
 
 __all__ = ["MemoryEfficientAttention", "chunked_attention"]
 
@@ -401,7 +401,7 @@ def _product(a, b, dtype, adj_a=False, adj_b=False, rounded=False):
     MultiHeadAttention's. The forward's scores are not: rounded, the output
     error with a padding mask rose from 6.6e-3 to 8.1e-3, MultiHeadAttention's
     being 5.3e-3 (benchmarks/results/decoder_rounded_h200.json)."""
-    if dtype != tf.float32 and _cudnn_attention.in_xla(a):
+    if dtype != tf.float32 and in_xla(a):
         result = tf.raw_ops.BatchMatMulV3(x=tf.cast(a, dtype), y=tf.cast(b, dtype),
                                           Tout=dtype if rounded else tf.float32, adj_x=adj_a, adj_y=adj_b)
         return tf.cast(result, tf.float32)
