@@ -341,6 +341,20 @@ def test_under_xla_what_a_block_derives_from_its_weights_is_recomputed_not_held(
     assert grown < held / 8, (grown, held)
 
 
+def _graph_step_peak(layer, x, y):
+    """The peak CPU allocation of a graph-mode (not XLA) step taking the squared error's
+    gradients with respect to `layer`'s trainable weights, after one warm-up call."""
+    variables = layer.trainable_variables
+
+    @tf.function(jit_compile=False)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((layer(x, training=True) - y) ** 2)
+        return tape.gradient(loss, variables)
+
+    return run_with_peak(step, x, y, warm=True)[1]
+
+
 def test_outside_xla_a_block_reads_its_weights_without_copying_them():
     """Read after its inputs (as under XLA), a frozen 16 MiB kernel was copied whole in a
     graph-mode step, as `remat.plan` measures in (a Gemma-2B's 2 GB tied embedding there):
@@ -353,15 +367,7 @@ def test_outside_xla_a_block_reads_its_weights_without_copying_them():
     wrapped = Checkpoint(keras.Sequential([frozen, keras.layers.Dense(8)]))
     x, y = tf.random.normal((2, n)), tf.random.normal((2, 8))
     wrapped(x)
-    variables = wrapped.trainable_variables
-
-    @tf.function(jit_compile=False)
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((wrapped(x, training=True) - y) ** 2)
-        return tape.gradient(loss, variables)
-
-    _, peak = run_with_peak(step, x, y, warm=True)
+    peak = _graph_step_peak(wrapped, x, y)
     kernel = n * n * 4
     assert peak < kernel / 4, (peak, kernel)
 
@@ -393,16 +399,8 @@ def test_outside_xla_what_a_block_derives_from_its_weights_is_computed_in_its_tu
             h = Checkpoint(block)(h)
         model = keras.Model(inputs, keras.layers.Dense(1)(h))
         x, y = tf.random.normal((4, 16, width)), tf.random.normal((4, 16, 1))
-        variables = model.trainable_variables
-
-        @tf.function(jit_compile=False)
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-            return tape.gradient(loss, variables)
-
         with one_op_order():
-            return run_with_peak(step, x, y, warm=True)[1]
+            return _graph_step_peak(model, x, y)
 
     grown = peak(4) - peak(2)
     held = 2 * 2 * width * inner * 4  # two more blocks' float32 kernels, merged or dequantized: 8 MiB
