@@ -290,25 +290,18 @@ def _weights_read_after(layer, weights, tensors):
     exist (the block's inputs; in the recomputation, `tf.recompute_grad` has made them wait for
     the gradient). What the block computes from weights alone (a LoRA layer's merged kernel
     `kernel + a @ b`, an int8 kernel dequantized) is then computed again in the backward pass,
-    not held from the forward pass: XLA had held it, merging the recomputation's copy with the
-    forward pass's (a float32 merged kernel per LoRA Dense, 4 bytes a frozen parameter;
-    tests/test_checkpoint.py). A weight's gradient reaches it through the read. Under XLA, which
-    ignores control dependencies, the read is the value plus a zero computed from the inputs: a
-    sum XLA fuses into what reads the weight where it can (a cast). Outside XLA a weight of 1
-    MiB or more is read as its value under a control dependency on the inputs, since the sum is
-    a copy there (a graph-mode step, as `remat.plan` measures in, copied a Gemma-2B's 2 GB
-    float32 tied embedding whole). Without either, TensorFlow's executor computed what the
-    recomputation derives from weights alone at the step's start and held it. In one op order on
-    the CPU (tests/test_checkpoint.py), four checkpointed blocks of two 512 x 8192 LoRA Dense
-    peaked at 260.0 MiB reading plainly, 85.5 MiB under the control dependency and 86.0 with the
-    sum; a 4-layer LoRA Gemma (hidden 256, intermediate 2048) planned alike peaked at 38.5 MiB
-    both plainly and under the control dependency and at 32.5 with the sum (three of its merged
-    kernels' 2 MiB, as if held; why is not known). Smaller weights are read through the sum
-    outside XLA too: under the control dependency alone a stack of int8 LoRA blocks still held
-    1.0-2.5 MiB from 2 to 4 blocks, and none with the small weights summed (why is not known).
-    XLA's optimization barrier, which JAX's checkpoint passes its inputs through and which
-    copies nothing, did not keep the copies apart under XLA on the CPU (2.16 MB grown against
-    2.10 MB held); `tf.identity_n` with the inputs did not order the reads outside XLA. A
+    not held from the forward pass: XLA had merged the recomputation's copy with the forward
+    pass's and held it (4 bytes a frozen parameter), and TensorFlow's executor had computed it
+    at the step's start and held it (four blocks of two 512 x 8192 LoRA Dense: 260.0 MiB, 85.0
+    read after the inputs; tests/test_checkpoint.py). Under XLA, which ignores control
+    dependencies, a weight is read as its value plus a zero computed from the inputs, a sum XLA
+    fuses into what reads it where it can (a cast). Outside XLA that sum is a copy (a
+    Gemma-2B's 2 GB float32 tied embedding, copied whole in the graph-mode step `remat.plan`
+    measures in), so a weight of `_COPIED_BELOW` bytes or more is read under a control
+    dependency on the inputs instead; smaller ones keep the sum, since under the control
+    dependency alone a stack of int8 LoRA blocks still held 1.0-2.5 MiB (why is not known). A
+    4-layer LoRA Gemma (hidden 256) planned alike peaked at 38.5 MiB so, 32.5 with the sum on
+    every weight (why is not known either). A weight's gradient reaches it through the read. A
     variable the layer assigns within (`keras.StatelessScope` collects it) is assigned on exit,
     and the losses it adds are added to it."""
     numeric = [t for t in tensors if t.dtype.is_floating or t.dtype.is_integer]
