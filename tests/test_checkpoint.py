@@ -29,9 +29,12 @@ def grads_and_state(layer, block, x, seed_state):
     return loss, grads, [tf.identity(v.value) for v in block.non_trainable_variables]
 
 
-@pytest.mark.parametrize("policy", ["full", "save_dots"])
-@pytest.mark.parametrize("mode", ["eager", "tf.function", "jit_compile"])
-@pytest.mark.parametrize("batchnorm", [False, True])
+# Under XLA (1-1.5 s each on 2 cores) one of the four is in `pytest -m "not slow"`; the full suite runs all.
+@pytest.mark.parametrize("batchnorm, mode, policy", [
+    pytest.param(batchnorm, mode, policy,
+                 marks=[pytest.mark.slow] if mode == "jit_compile" and (batchnorm or policy != "full") else [])
+    for batchnorm in (False, True) for mode in ("eager", "tf.function", "jit_compile")
+    for policy in ("full", "save_dots")])
 def test_gradients_equal_plain_with_dropout(mode, batchnorm, policy):
     block = make_block(batchnorm=batchnorm)
     wrapped = Checkpoint(block, policy=policy)
@@ -304,7 +307,7 @@ def test_save_dots_on_a_transformer_block_equals_plain(policy_name):
         keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("base", ["lora", "int8"])
+@pytest.mark.parametrize("base", ["lora", pytest.param("int8", marks=pytest.mark.slow)])  # XLA compiles
 def test_under_xla_what_a_block_derives_from_its_weights_is_recomputed_not_held(base):
     """A LoRA layer's merged kernel and an int8 kernel dequantized depend on weights alone:
     XLA merged the recomputation's copy with the forward pass's and held every block's from

@@ -48,6 +48,7 @@ def test_linear_cross_entropy_equals_keras_in_float32(transposed, with_bias, chu
     assert max_rel_diff(theirs, jitted) < 1e-5
 
 
+@pytest.mark.slow  # XLA compiles
 def test_bfloat16_products_under_a_persistent_tape_in_xla():
     """A persistent tape (kvram.Model's update_in_backward with the guard
     keeps one) in an XLA-compiled function with bfloat16 weights: the loop is

@@ -38,7 +38,7 @@ def _device(variable):
     return tf.DeviceSpec.from_string(variable.value.device)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])  # an XLA compile
 def test_the_host_update_equals_the_one_on_the_device(jit):
     args = {"accumulation_steps": 2, "clip_global_norm": 0.5}
     x, y = _data()

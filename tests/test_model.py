@@ -113,8 +113,8 @@ def _all_optimizer_values(model):
     return values(model.optimizer.variables)
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])  # True: the guard is an XLA conditional
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("bad, jit_compile", [  # jit_compile: the guard is an XLA conditional
+    (np.nan, False), (np.nan, True), (np.inf, False), pytest.param(np.inf, True, marks=pytest.mark.slow)])
 def test_nonfinite_batch_changes_nothing_and_is_counted(bad, jit_compile):
     model = mlp()
     model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss="mse", jit_compile=jit_compile)
@@ -172,6 +172,7 @@ def _train_step_hlo(model, x, y):
     return step.experimental_get_compiler_ir((tf.constant(x), tf.constant(y)))(stage="hlo")
 
 
+@pytest.mark.slow  # XLA compiles
 def test_a_step_nothing_watches_for_skips_has_no_xla_conditional():
     # An XLA conditional's predicate is copied to the host and waited for on
     # a GPU, once a step; the batch's NaN check only feeds the skip diagnosis.
@@ -485,8 +486,8 @@ def _keras_loop(net):
     return net
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-@pytest.mark.parametrize("known_size", [True, False])
+@pytest.mark.parametrize("known_size, jit_compile", [
+    (True, False), (True, True), (False, False), pytest.param(False, True, marks=pytest.mark.slow)])
 def test_the_multi_step_loop_on_the_host_trains_as_keras_loop_does(jit_compile, known_size):
     # 10 batches at 4 a call: the last call is short; two epochs; and evaluate
     x, y = data(n=10 * 8)

@@ -293,7 +293,7 @@ def _regression(rounding, jit=False, weight_decay=0.0):
     return model.get_weights()[0].astype("float32"), history
 
 
-@pytest.mark.parametrize("rounding, jit", [("stochastic", True), ("kahan", False)])
+@pytest.mark.parametrize("rounding, jit", [pytest.param("stochastic", True, marks=pytest.mark.slow), ("kahan", False)])
 def test_bfloat16_weights_train_where_rounding_to_the_nearest_stalls(bfloat16_policy, rounding, jit):
     stalled, flat = _regression("nearest")
     assert np.all(stalled == 1.0) and flat[-1] == pytest.approx(flat[0], rel=0.05)  # each update < 2**-8

@@ -53,7 +53,7 @@ def data(n=16):
     "micro_batches, checkpoint, defer",
     [(1, False, True), (4, False, True), (5, False, True),
      pytest.param(16, False, True, marks=pytest.mark.slow),  # 7.7 s on 2 cores
-     (5, True, True), (5, False, False)],
+     pytest.param(5, True, True, marks=pytest.mark.slow), (5, False, False)],
 )
 def test_updates_equal_the_single_device_model(micro_batches, checkpoint, defer):
     x, y = data()

@@ -895,6 +895,7 @@ def test_checks_measure_the_compiling_call_only_where_compiling_times_no_kernels
     assert _compiles_untuned(device) is expected
 
 
+@pytest.mark.slow  # XLA compiles
 def test_an_xla_check_on_the_cpu_runs_the_step_once_and_measures_a_later_runs_peak():
     # The compiling call's own run is measured (a second run costs a GPU without
     # autotuning as much as the first): one call, and the peak of a run after it
@@ -933,6 +934,7 @@ def test_untuned_gpu_checks_read_xlas_buffer_assignment(monkeypatch, device, fla
     assert _reads_assignment(device) is expected
 
 
+@pytest.mark.slow  # an XLA compile, 4 s on 2 cores
 def test_a_check_reading_the_assignment_compiles_without_running_the_step(monkeypatch):
     # On the CPU the path is forced: the step is compiled, not run; the bytes read
     # are the assignment's temporary buffer and outputs (the gradients among them),
@@ -1274,6 +1276,7 @@ def test_adam_and_adamw_have_an_8_bit_alternative_with_their_settings():
     assert eight_bit_alternative("sgd") is None and eight_bit_alternative(AdamW8bit()) is None
 
 
+@pytest.mark.slow  # an estimate's checks, 2.3 s on 2 cores
 def test_the_estimate_takes_adamw8bit_by_name():
     found = remat.estimate(small_model, 32, memory_bytes=10**5, precisions=("float32",), optimizer="adamw8bit")
     state = found.state["float32"]

@@ -34,9 +34,10 @@ def _trained(jit, epochs=2, **kwargs):
     return model
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("skip_nonfinite", [True, False])
-@pytest.mark.parametrize("checkpointed", [False, True])
+# Under XLA (3-5 s each on 2 cores) one of the four is in `pytest -m "not slow"`; the full suite runs all.
+@pytest.mark.parametrize("checkpointed, skip_nonfinite, jit", [
+    pytest.param(checkpointed, skip, jit, marks=[pytest.mark.slow] if jit and (checkpointed or not skip) else [])
+    for checkpointed in (False, True) for skip in (True, False) for jit in (False, True)])
 def test_it_trains_as_the_usual_step_does(jit, skip_nonfinite, checkpointed):
     usual = _trained(jit, checkpointed=checkpointed)
     ours = _trained(jit, update_in_backward=True, skip_nonfinite=skip_nonfinite, checkpointed=checkpointed)
@@ -224,7 +225,7 @@ def test_it_is_saved_with_the_model(tmp_path):
     assert keras.saving.load_model(tmp_path / "m.keras").update_in_backward is True
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("checkpointed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_kvram_optimizers_are_gated_too_bfloat16_weights_and_kahan_buffers_included(checkpointed):
     from kvram.optimizers import AdamW8bit
 
