@@ -5,7 +5,7 @@ import tensorflow as tf
 
 import kvram
 from kvram.layers import Checkpoint
-from tests.helpers import in_own_process, max_rel_diff, run_with_peak
+from tests.helpers import in_own_process, max_rel_diff, one_op_order, run_with_peak
 
 TOL = 1e-5
 
@@ -384,8 +384,6 @@ def test_outside_xla_what_a_block_derives_from_its_weights_is_computed_in_its_tu
     (LoRA) and 9.0 MiB (int8) read plainly; every weight under a control dependency, 0.0 and
     1.0-2.5 MiB (alone, after this file's other tests, in `pytest -m "not slow"`); the weights
     under 1 MiB through the sum, 0.0 and -0.5 MiB."""
-    from tests.helpers import one_op_order
-
     width, inner = 256, 2048
 
     def peak(blocks):
