@@ -10,7 +10,7 @@ Variables stay float32 in every policy; activations are 16-bit in the
 mixed ones, which is where the memory goes. Under mixed_float16 Keras wraps the
 optimizer in a LossScaleOptimizer (dynamic loss scaling); bfloat16 needs none.
 
-    python examples/mixed_precision.py [--samples 1024] [--batch 32] [--epochs 3] [--size 32]
+    python examples/mixed_precision.py [--samples 1024] [--batch 32] [--epochs 3] [--size 32] [--depth 4]
 """
 
 import argparse
@@ -76,6 +76,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--size", type=int, default=32, help="image side in pixels (a multiple of 8)")
+    parser.add_argument("--depth", type=int, default=4, help="the ViT's blocks")
     args = parser.parse_args(argv)
     x, y = quadrant_images(args.samples, args.size)
     x_test, y_test = quadrant_images(256, args.size, seed=1)
@@ -85,7 +86,7 @@ def main(argv=None):
         kvram.precision.enable(policy)
         keras.utils.set_random_seed(0)
         with tf.device("CPU:0"):
-            model = vit_tiny(image_size=args.size, classes=4)
+            model = vit_tiny(image_size=args.size, classes=4, depth=args.depth)
             if initial is None:
                 initial = model.get_weights()
             model.set_weights(initial)
