@@ -381,9 +381,10 @@ def test_outside_xla_what_a_block_derives_from_its_weights_is_computed_in_its_tu
     kernel (or dequantized int8 kernel) needs only weights, so it ran at the step's start and
     was held to the backward pass (125.0 -> 260.0 MiB from 2 to 4 blocks of 512 x 8192 LoRA
     Dense). Read after the block's inputs, it waits for them. From 2 to 4 blocks here: 16.0
-    (LoRA) and 9.0 MiB (int8) read plainly; every weight under a control dependency, 0.0 and
-    1.0-2.5 MiB (alone, after this file's other tests, in `pytest -m "not slow"`); the weights
-    under 1 MiB through the sum, 0.0 and -0.5 MiB."""
+    (LoRA) and 9.0 MiB (int8) read plainly. Read after the inputs, the growth moves by up to
+    2 MiB from run to run whatever the blocks added (after this file's other tests on 2 cores,
+    int8: -1.5 to 2.0 MiB from 2 to 4 blocks, where the bar was 2.0; 0.0 to 1.5 from 2 to 6):
+    so from 2 to 6, the bar a quarter of the 16 MiB four blocks' kernels would hold."""
     width, inner = 256, 2048
 
     def peak(blocks):
@@ -403,6 +404,6 @@ def test_outside_xla_what_a_block_derives_from_its_weights_is_computed_in_its_tu
         with one_op_order():
             return _graph_step_peak(model, x, y)
 
-    grown = peak(4) - peak(2)
-    held = 2 * 2 * width * inner * 4  # two more blocks' float32 kernels, merged or dequantized: 8 MiB
+    grown = peak(6) - peak(2)
+    held = 4 * 2 * width * inner * 4  # four more blocks' float32 kernels, merged or dequantized: 16 MiB
     assert grown < held / 4, (grown, held)
