@@ -59,8 +59,8 @@ def test_two_device_split_example_trains():
 def test_mixed_precision_example_learns_in_every_policy(request):
     if in_own_process(request):
         return
-    # 16x16 images (16 patches) and 2 blocks (the example's defaults: 32x32, 4 blocks): 22 s alone
-    # on 2 cores, against 40 s at 4 blocks and 77 s at 32x32 (mostly tracing, per block and policy)
+    # 16x16 images (16 patches) and 2 blocks (the example's defaults: 32x32, 4 blocks): its main()
+    # took 21.6 s alone on 2 cores, 40.0 s at 4 blocks (mostly tracing, per block and policy)
     results = load("mixed_precision").main(["--size", "16", "--depth", "2"])
     for policy, r in results.items():
         assert r["accuracy"] > 0.9, (policy, r)
