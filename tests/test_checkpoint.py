@@ -380,12 +380,12 @@ def test_outside_xla_what_a_block_derives_from_its_weights_is_computed_in_its_tu
     """TensorFlow's executor runs an op once its inputs exist: a recomputation's merged LoRA
     kernel (or dequantized int8 kernel) needs only weights, so it ran at the step's start and
     was held to the backward pass (125.0 -> 260.0 MiB from 2 to 4 blocks of 512 x 8192 LoRA
-    Dense). Read after the block's inputs, it waits for them. From 2 to 4 blocks here: 16.0
-    (LoRA) and 9.0 MiB (int8) read plainly. Read after the inputs, the growth moves by up to
-    2 MiB from run to run whatever the blocks added (after this file's other tests on 2 cores,
-    int8: -1.5 to 2.0 MiB from 2 to 4 blocks, where the bar was 2.0; 0.0 to 1.5 from 2 to 6):
-    so from 2 to 6, the bar a quarter of the 16 MiB four blocks' kernels would hold."""
+    Dense). Read after the block's inputs, it waits for them. From 2 to 6 blocks here: 32.0
+    (LoRA) and 16.5 MiB (int8) read plainly; read after the inputs, 0.0 and 0.0-1.5 MiB (after
+    this file's other tests on 2 cores). The growth moves by up to 2 MiB from run to run
+    whatever the blocks add (int8 from 2 to 4 blocks: -1.5 to 2.0 MiB), so 4 blocks are added."""
     width, inner = 256, 2048
+    few, many = 2, 6
 
     def peak(blocks):
         keras.utils.set_random_seed(0)
@@ -404,6 +404,6 @@ def test_outside_xla_what_a_block_derives_from_its_weights_is_computed_in_its_tu
         with one_op_order():
             return _graph_step_peak(model, x, y)
 
-    grown = peak(6) - peak(2)
-    held = 4 * 2 * width * inner * 4  # four more blocks' float32 kernels, merged or dequantized: 16 MiB
+    grown = peak(many) - peak(few)
+    held = (many - few) * 2 * width * inner * 4  # the added blocks' float32 kernels, merged or dequantized: 16 MiB
     assert grown < held / 4, (grown, held)
