@@ -96,15 +96,32 @@ class Checkpoint(keras.layers.Layer):
       not kept, the expensive products are not recomputed. A product under
       LoRA or quantization is recomputed as under "full".
 
+    Row chunks (`row_chunks=k`): the block's forward pass, and in the backward
+    pass its recomputation and gradient, run over k slices of its inputs' rows,
+    one after another, and the weights' gradients of the slices are summed in
+    float32 inside the block's backward pass. The block then holds the
+    activations of 1/k of the batch at a time, and a step over a large batch
+    (the batches of a whole update) makes each weight gradient once: with
+    `kvram.Model(host_offload=True)`, each block's gradients cross to the host
+    once per step, as they are made, where accumulating steps would send them
+    once per batch. The block's rows must be independent of each other
+    (a transformer block, not `BatchNormalization`); random layers draw
+    different numbers for each slice, replayed alike in the recomputation.
+    With `policy="full"` only.
+
     Args:
         layer: a `keras.layers.Layer` (a `keras.Sequential` or any model also
             works): the block to recompute.
         policy: one of `POLICIES`, "full" by default.
+        row_chunks: None (the default) or a positive int: the slices of rows
+            the block runs in, one after another (above).
         **kwargs: base `keras.layers.Layer` arguments (`name`, ...).
 
     Raises:
         TypeError: if `layer` is not a Keras layer.
-        ValueError: for a policy not in `POLICIES`.
+        ValueError: for a policy not in `POLICIES`, a `row_chunks` that is not
+            a positive int, `row_chunks` with "save_dots", or `row_chunks` on a
+            block with `BatchNormalization`.
 
     Example:
     ```python
@@ -113,9 +130,15 @@ class Checkpoint(keras.layers.Layer):
     ```
     """
 
-    def __init__(self, layer, policy: str = "full", **kwargs):
+    def __init__(self, layer, policy: str = "full", row_chunks=None, **kwargs):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}. Received: policy={policy!r}")
+        if row_chunks is not None and (isinstance(row_chunks, bool) or not isinstance(row_chunks, int)
+                                       or row_chunks < 1):
+            raise ValueError(f"row_chunks must be None or a positive int. Received: row_chunks={row_chunks!r}")
+        if row_chunks is not None and row_chunks > 1 and policy != "full":
+            raise ValueError(f"row_chunks slices the rows of a block recomputed whole: it takes policy=\"full\". "
+                             f"Received: policy={policy!r}, row_chunks={row_chunks}")
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(
                 "`layer` must be a keras.layers.Layer (a Keras layer, Sequential or "
@@ -126,10 +149,19 @@ class Checkpoint(keras.layers.Layer):
                 "`layer` is already a kvram.layers.Checkpoint; wrapping it twice would "
                 f"recompute it twice. Received: layer={layer.name!r}"
             )
+        if row_chunks is not None and row_chunks > 1:
+            coupled = [sub.name for sub in layer._flatten_layers()
+                       if isinstance(sub, keras.layers.BatchNormalization)]
+            if coupled:
+                raise ValueError(
+                    f"row_chunks runs the block's rows in slices, so its rows must not depend on each other; "
+                    f"BatchNormalization normalises over the rows ({', '.join(coupled)}). Received: "
+                    f"row_chunks={row_chunks} for a block with BatchNormalization. Allowed: row_chunks=None here.")
         kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(**kwargs)
         self.layer = layer
         self.policy = policy
+        self.row_chunks = row_chunks
         # Inputs go to the wrapped layer untouched: it casts them itself.
         self._convert_input_args = False
         self.supports_masking = getattr(layer, "supports_masking", False)
@@ -181,14 +213,24 @@ class Checkpoint(keras.layers.Layer):
             return logits, outputs
 
         inputs = [flat_args[i] for i in tensor_positions]
-        if getattr(_compiling, "on", False):
-            forward = tf.function(forward, jit_compile=True, autograph=False)
         updates = _in_backward.current()  # kvram.Model(update_in_backward=True)'s step
-        if updates is not None and not tf.executing_eagerly():
-            updates.read_by_block(self.layer)
-            outputs = _in_backward.recompute_grad(forward, updates)(*inputs, *snapshot)
+        if self.row_chunks is not None and self.row_chunks > 1:
+            if updates is not None and not tf.executing_eagerly():
+                raise ValueError("row_chunks sums a block's weight gradients over its slices before they leave "
+                                 "the block, so it cannot hand each to update_in_backward's update. Allowed: "
+                                 "row_chunks=None under kvram.Model(update_in_backward=True).")
+            chunked = _row_chunked(forward, self.row_chunks, n_in, state)
+            if getattr(_compiling, "on", False):  # the block, its slices and their sums: one XLA computation
+                chunked = tf.function(chunked, jit_compile=True, autograph=False)
+            outputs = chunked(*inputs, *snapshot)
         else:
-            outputs = tf.recompute_grad(forward)(*inputs, *snapshot)
+            if getattr(_compiling, "on", False):
+                forward = tf.function(forward, jit_compile=True, autograph=False)
+            if updates is not None and not tf.executing_eagerly():
+                updates.read_by_block(self.layer)
+                outputs = _in_backward.recompute_grad(forward, updates)(*inputs, *snapshot)
+            else:
+                outputs = tf.recompute_grad(forward)(*inputs, *snapshot)
         if carries_logits:
             # Keras's softmax and sigmoid hang their logits on their output
             # (`_keras_logits`, graph tensors only), and its cross-entropies
@@ -214,6 +256,8 @@ class Checkpoint(keras.layers.Layer):
         config = super().get_config()
         config["layer"] = keras.saving.serialize_keras_object(self.layer)
         config["policy"] = self.policy
+        if self.row_chunks is not None:
+            config["row_chunks"] = self.row_chunks
         return config
 
     @classmethod
@@ -223,6 +267,68 @@ class Checkpoint(keras.layers.Layer):
             config.pop("layer"), custom_objects=custom_objects
         )
         return cls(layer, **config)
+
+
+def _ordered(tensors, zero):
+    """`tensors` plus `zero` (a float32 0 computed from a tensor): made after that tensor."""
+    return [t + tf.cast(zero, t.dtype) if t.dtype.is_floating or t.dtype.is_integer else tf.identity(t)
+            for t in tensors]
+
+
+def _row_chunked(forward, chunks: int, n_in: int, state):
+    """`forward(*inputs, *state_values)` (a `Checkpoint`'s) over `chunks` slices of the inputs'
+    rows, one after another, with `tf.recompute_grad`'s gradient: each slice recomputed in
+    the backward pass from its rows, and the variables' gradients summed in float32 over the
+    slices. Each slice starts from the state (`state`'s values) its forward pass started from,
+    so random layers replay their numbers. Every input is sliced along its first axis."""
+    from tensorflow.python.eager import record
+
+    def piece(tensors, size, i):
+        rows = tf.shape(tensors[0])[0]
+        start = tf.minimum(i * size, rows)
+        return [t[start:start + size] for t in tensors]
+
+    @tf.custom_gradient
+    def chunked(*args):
+        inputs, values = list(args[:n_in]), list(args[n_in:])
+        size = (tf.shape(inputs[0])[0] + chunks - 1) // chunks
+        starts, outputs = [], []
+        with record.stop_recording():
+            for i in range(chunks):
+                starts.append(values)
+                part = piece(inputs, size, i)
+                if outputs:  # after the slice before it: one slice's activations at a time
+                    part = _ordered(part, zero_from(tree.flatten(outputs[-1])[0]))
+                outputs.append(forward(*part, *values))
+                values = [tf.identity(v.value) for v in state]
+        result = tree.map_structure(lambda *parts: tf.concat(parts, 0), *outputs)
+
+        def gradient(*dresult, variables=None):
+            variables = list(variables or [])
+            sums, input_grads = [None] * len(variables), []
+            order = zero_from(dresult[0])  # recomputed once the gradient arrives
+            for i in range(chunks):
+                dy = piece(list(dresult), size, i)
+                with tf.GradientTape() as tape:
+                    part = _ordered(piece(inputs, size, i), order)
+                    tape.watch(part)
+                    tape.watch(variables)
+                    again = tree.flatten(forward(*part, *starts[i]))
+                grads = tape.gradient(again, part + variables, output_gradients=dy,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                input_grads.append([g if t.dtype.is_floating else None for g, t in zip(grads[:n_in], part)])
+                for j, g in enumerate(grads[n_in:]):
+                    g = tf.cast(tf.convert_to_tensor(g), tf.float32)
+                    sums[j] = g if sums[j] is None else sums[j] + g
+                # the next slice recomputed after this one's gradients are summed: one slice's at a time
+                order = tf.add_n([zero_from(t) for t in [*sums, *input_grads[-1]] if t is not None])
+            inputs_grad = [None if parts[0] is None else tf.concat(parts, 0) for parts in zip(*input_grads)]
+            return (inputs_grad + [None] * (len(args) - n_in),
+                    [tf.cast(s, v.dtype) for s, v in zip(sums, variables)])
+
+        return result, gradient
+
+    return chunked
 
 
 class _Dots:
