@@ -252,15 +252,15 @@ def test_the_guard_and_the_update_read_host_copies_of_the_gradients():
     assert calls and all(tf.DeviceSpec.from_string(device).device_index == 0 for device in calls), calls
 
 
-def _blocks_model(policy="full", **kvram_args):
+def _blocks_model(policy="full", dropout=0.1, row_chunks=None, **kvram_args):
     keras.utils.set_random_seed(0)
     with tf.device(DEVICE):
         inputs = keras.Input((12,))
         hidden = keras.layers.Dense(32)(inputs)
         for _ in range(3):
             hidden = kvram.layers.Checkpoint(keras.Sequential([
-                keras.layers.Dense(32, activation="relu"), keras.layers.Dropout(0.1), keras.layers.Dense(32)]),
-                policy=policy)(hidden)
+                keras.layers.Dense(32, activation="relu"), keras.layers.Dropout(dropout), keras.layers.Dense(32)]),
+                policy=policy, row_chunks=row_chunks)(hidden)
         return kvram.Model(inputs, keras.layers.Dense(3)(hidden), **kvram_args)
 
 
@@ -286,6 +286,32 @@ def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does
     for a, b in zip(whole.get_weights(), blocks.get_weights()):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
     compiled = [f.signature.name for f in graph.as_graph_def().library.function if f.attr["_XlaMustCompile"].b]
+    assert sum("backward" in name for name in compiled) == 3, compiled  # one per block
+
+
+@pytest.mark.slow  # XLA compiles per block
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_row_chunked_blocks_make_each_gradient_once_a_step_and_train_as_the_whole_batch(request):
+    """Under host_offload with XLA, Checkpoint(row_chunks=4) blocks run each 16-row batch in slices
+    of 4 rows: each block's recomputation and backward pass over its four slices is one XLA
+    computation, which makes each of its weights' gradients once, summed over the slices (so each
+    crosses to the host once a step), and training equals the whole step's on the device (no
+    dropout: the rows do not depend on each other)."""
+    if in_own_process(request):
+        return
+    x, y = _data()
+    with tf.device(DEVICE):
+        whole = _blocks_model(dropout=0.0)
+        whole.compile(_adamw(), "mse", jit_compile=True)  # one XLA computation per step
+        chunked = _blocks_model(dropout=0.0, row_chunks=4, host_offload=True)
+        chunked.compile(_adamw(), "mse", jit_compile=True)
+        for model in (whole, chunked):
+            model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+        graph = tf.function(chunked.train_step).get_concrete_function((tf.constant(x[:16]), tf.constant(y[:16]))).graph
+    for a, b in zip(whole.get_weights(), chunked.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    library = graph.as_graph_def().library.function
+    compiled = [f.signature.name for f in library if f.attr["_XlaMustCompile"].b]
     assert sum("backward" in name for name in compiled) == 3, compiled  # one per block
 
 
