@@ -160,6 +160,24 @@ def test_a_layer_with_weights_alone_may_be_called_across_cuts():
                         _gradients(rebuilt, x, model.trainable_variables)) < 1e-6
 
 
+def test_rebuilt_with_row_chunks_slices_each_checkpoint_and_its_side_inputs():
+    """rebuild's row_chunks reaches each Checkpoint; the mask each block reads beside its input is
+    sliced with it, and without dropout the gradients are the whole batch's."""
+    keras.utils.set_random_seed(0)
+    model = _two_inputs_two_outputs()
+    for i in range(4):
+        model.get_layer(f"drop{i}").rate = 0.0  # rows then independent: slices give the whole batch's
+    chain = remat.segments(model)
+    rebuilt = remat.rebuild(model, [[i] for i in range(len(chain))], [True] * len(chain), row_chunks=3)
+    checkpoints = [layer for layer in rebuilt.layers if isinstance(layer, kvram.layers.Checkpoint)]
+    assert len(checkpoints) == len(chain) and {c.row_chunks for c in checkpoints} == {3}
+    rng = np.random.default_rng(0)
+    x = {"tokens": tf.constant(rng.standard_normal((7, 6, 8)).astype("float32")),
+         "mask": tf.constant((rng.random((7, 6, 1)) > 0.3).astype("float32"))}
+    assert max_rel_diff(_gradients(model, x, model.trainable_variables),
+                        _gradients(rebuilt, x, model.trainable_variables)) < 1e-6
+
+
 def _two_inputs_two_outputs():
     """A main input and a mask read by every block (it depends on no other
     input), a first output taken midway and a second at the end."""

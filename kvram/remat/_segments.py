@@ -263,7 +263,7 @@ def _check_no_layer_across_cuts(model, found):
                 )
 
 
-def rebuild(model: keras.Model, groups, checkpoint, policy: str = "full") -> keras.Model:
+def rebuild(model: keras.Model, groups, checkpoint, policy: str = "full", row_chunks=None) -> keras.Model:
     """`model` as a chain of sub-models, each a run of consecutive segments.
 
     Args:
@@ -273,6 +273,8 @@ def rebuild(model: keras.Model, groups, checkpoint, policy: str = "full") -> ker
         checkpoint: for each group, whether it runs as a `Checkpoint`.
         policy: the `Checkpoint` policy of those groups ("full": recompute
             everything; "save_dots": keep the Dense/EinsumDense products).
+        row_chunks: those groups' `Checkpoint` `row_chunks` (None: the whole
+            batch at once).
 
     Returns:
         A `kvram.Model` calling the same layers (the same variables as
@@ -297,7 +299,7 @@ def rebuild(model: keras.Model, groups, checkpoint, policy: str = "full") -> ker
     for number, (group, recompute) in enumerate(zip(groups, checkpoint)):
         first, last = chain[group[0]], chain[group[-1]]
         part = _part(chain[group[0]:group[-1] + 1], f"{model.name}_part{number}")
-        call = Checkpoint(part, policy=policy) if recompute else part
+        call = Checkpoint(part, policy=policy, row_chunks=row_chunks) if recompute else part
         if _single(first, last):
             tensors[id(last.output)] = call(tensors[id(first.input)])
         else:
