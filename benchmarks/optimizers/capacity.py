@@ -14,7 +14,9 @@ bfloat16 compute under XLA:
 - `kvram_factored`: as `kvram_state`, with `AdamW8bit(factored=True)` (an 8-bit first moment and
   Adafactor's factored second moment: about 3 bytes per parameter with the weights).
 - `kvram_offload`: as `kvram_state` with `host_offload=True` instead of `update_in_backward`
-  (state and float32 master weights on the host, `--accumulation` batches per update).
+  (state and float32 master weights on the host, `--accumulation` batches per update; with
+  `--row-chunks`, each block runs a step's `--batch` rows in that many slices, so a step of many
+  rows makes, and sends to the host, each gradient once).
 - `kvram_gpu`: `kvram_offload`'s twin on the device (`mixed_bfloat16`, the same `AdamW8bit` and
   `--accumulation`): its loss after `--steps` is what the offloaded run's should equal.
 
@@ -91,7 +93,7 @@ def child(name, depth, args):
         kvram.speed.lean_activations(model)
     chain = remat.segments(model)
     blocks = [any(n.startswith("transformer_layer") for n in s.layers) for s in chain]
-    model = remat.rebuild(model, [[i] for i in range(len(chain))], blocks)
+    model = remat.rebuild(model, [[i] for i in range(len(chain))], blocks, row_chunks=args.row_chunks)
     if name in _ACCUMULATING:
         model = kvram.Model(model.input, model.output, host_offload=name == "kvram_offload",
                             accumulation_steps=args.accumulation, name=model.name)
@@ -170,7 +172,7 @@ def summary(runs: list) -> dict:
     return out
 
 
-_SHAPE = ("gpu_memory_gib", "sequence", "batch", "hidden", "intermediate", "heads", "kv_heads", "vocabulary",
+_SHAPE = ("gpu_memory_gib", "sequence", "batch", "row_chunks", "hidden", "intermediate", "heads", "kv_heads", "vocabulary",
           "steps", "warmup", "peak_tflops", "device")
 
 
@@ -210,6 +212,9 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocabulary", type=int, default=32000)
     parser.add_argument("--accumulation", type=int, default=8, help="batches per update (kvram_offload)")
+    parser.add_argument("--row-chunks", type=int, default=None,
+                        help="each checkpointed block runs a step's --batch rows in this many slices, one after "
+                             "another (Checkpoint row_chunks): a step of --batch rows makes each gradient once")
     parser.add_argument("--skip-nonfinite", type=int, choices=(0, 1), default=0,
                         help="kvram_state/kvram_factored: 1 guards each step (a second backward pass decides "
                              "the skip), 0 applies every step as Keras does (the default)")

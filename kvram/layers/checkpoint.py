@@ -306,15 +306,16 @@ def _row_chunked(forward, chunks: int, n_in: int, state):
         def gradient(*dresult, variables=None):
             variables = list(variables or [])
             sums, input_grads = [None] * len(variables), []
-            order = zero_from(dresult[0])  # recomputed once the gradient arrives
+            reached = [j for j, d in enumerate(dresult) if d is not None]  # outputs a gradient reaches
+            order = zero_from(dresult[reached[0]])  # recomputed once the gradient arrives
             for i in range(chunks):
-                dy = piece(list(dresult), size, i)
+                dy = piece([dresult[j] for j in reached], size, i)
                 with tf.GradientTape() as tape:
                     part = _ordered(piece(inputs, size, i), order)
                     tape.watch(part)
                     tape.watch(variables)
                     again = tree.flatten(forward(*part, *starts[i]))
-                grads = tape.gradient(again, part + variables, output_gradients=dy,
+                grads = tape.gradient([again[j] for j in reached], part + variables, output_gradients=dy,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 input_grads.append([g if t.dtype.is_floating else None for g, t in zip(grads[:n_in], part)])
                 for j, g in enumerate(grads[n_in:]):
