@@ -516,3 +516,12 @@ def test_row_chunks_with_an_output_no_gradient_reaches():
         with kvram.layers.checkpoint.compiled_blocks() if compiled else contextlib.nullcontext():
             ours = tf.function(lambda: gradients(lambda inputs: chunked(inputs, training=True)))()
         assert max_rel_diff(gradients(block), ours) < 1e-6
+
+
+def test_row_chunks_refuse_inputs_of_other_first_dimensions():
+    inputs, table = keras.Input((5,)), keras.Input((5,), batch_size=3)
+    block = keras.Model([inputs, table], keras.layers.Dense(5)(inputs))
+    chunked = Checkpoint(block, row_chunks=2)
+    with pytest.raises(ValueError, match=r"each must have the same first dimension. Received inputs of shapes "
+                                         r"\[\(8, 5\), \(3, 5\)\] for row_chunks=2"):
+        chunked([tf.ones((8, 5)), tf.ones((3, 5))], training=True)

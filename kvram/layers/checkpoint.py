@@ -219,6 +219,12 @@ class Checkpoint(keras.layers.Layer):
                 raise ValueError("row_chunks sums a block's weight gradients over its slices before they leave "
                                  "the block, so it cannot hand each to update_in_backward's update. Allowed: "
                                  "row_chunks=None under kvram.Model(update_in_backward=True).")
+            scalar = any(t.shape.rank == 0 for t in inputs)
+            if scalar or len({t.shape[0] for t in inputs if t.shape.rank} - {None}) > 1:
+                raise ValueError(
+                    f"row_chunks slices every input of the block along its rows, so each must have the same first "
+                    f"dimension. Received inputs of shapes {[tuple(t.shape) for t in inputs]} for "
+                    f"row_chunks={self.row_chunks}.")
             chunked = _row_chunked(forward, self.row_chunks, n_in, state)
             if getattr(_compiling, "on", False):  # the block, its slices and their sums: one XLA computation
                 chunked = tf.function(chunked, jit_compile=True, autograph=False)
