@@ -455,6 +455,7 @@ def test_row_chunks_run_the_block_slice_by_slice_and_sum_its_gradients(dropout, 
         assert max_rel_diff(whole, ours) < 1e-6
 
 
+@pytest.mark.slow  # 2-4 s each on 2 cores
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
 def test_row_chunks_hold_a_slice_of_the_blocks_activations(jit):
     """A block whose activations dwarf its weights (4096 rows x 1024 wide, 16 MiB a tensor, 4.5 MiB
