@@ -526,3 +526,18 @@ def test_row_chunks_refuse_inputs_of_other_first_dimensions():
     with pytest.raises(ValueError, match=r"each must have the same first dimension. Received inputs of shapes "
                                          r"\[\(8, 5\), \(3, 5\)\] for row_chunks=2"):
         chunked([tf.ones((8, 5)), tf.ones((3, 5))], training=True)
+
+
+def test_row_chunks_of_a_block_without_weights_pass_the_gradient_through():
+    """A block with no weights (an activation): its input's gradient, slice by slice."""
+    block = keras.Sequential([keras.Input((5,)), keras.layers.Activation("gelu")])
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 5)).astype("float32"))
+
+    def gradient(call):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.square(call(x)))
+        return tape.gradient(loss, [x])
+
+    chunked = Checkpoint(block, row_chunks=3)
+    assert max_rel_diff(gradient(block), tf.function(lambda: gradient(lambda t: chunked(t, training=True)))()) < 1e-6

@@ -328,7 +328,8 @@ def _row_chunked(forward, chunks: int, n_in: int, state):
                     g = tf.cast(tf.convert_to_tensor(g), tf.float32)
                     sums[j] = g if sums[j] is None else sums[j] + g
                 # the next slice recomputed after this one's gradients are summed: one slice's at a time
-                order = tf.add_n([zero_from(t) for t in [*sums, *input_grads[-1]] if t is not None])
+                made = [zero_from(t) for t in [*sums, *input_grads[-1]] if t is not None]
+                order = tf.add_n(made) if made else order
             inputs_grad = [None if parts[0] is None else tf.concat(parts, 0) for parts in zip(*input_grads)]
             return (inputs_grad + [None] * (len(args) - n_in),
                     [tf.cast(s, v.dtype) for s, v in zip(sums, variables)])
