@@ -366,3 +366,41 @@ def test_an_embeddings_sparse_gradient_is_updated_on_the_host_as_on_the_device()
             m.fit(ids, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     for a, b in zip(plain.get_weights(), offloaded.get_weights()):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("inner", ["adamw", "adamw8bit"])
+def test_runs_of_weights_updated_one_by_one_equal_one_update(inner):
+    """HostOffload(groups=3): three updates on the host, one per run of weights, the last run first,
+    and the step count moved once: the weights and the host's state equal one update's (1e-6), with
+    weight decay (biases excluded) and per-weight clipping, without the guard (skip_nonfinite=False)."""
+    x, y = _data()
+    made = {"adamw": lambda: _adamw(), "adamw8bit": lambda: AdamW8bit(1e-2, weight_decay=0.1, min_8bit_size=64,
+                                                                     block_size=64)}[inner]
+    models = []
+    for groups in (1, 3):
+        with tf.device(DEVICE):
+            model = _model(skip_nonfinite=False)
+            optimizer = made()
+            optimizer.clipnorm = 1.0
+            model.compile(HostOffload(optimizer, groups=groups), "mse")
+            model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+        models.append(model)
+    one, runs = models
+    assert int(runs.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy()) == 12
+    for a, b in zip(one.get_weights(), runs.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    for a, b in zip(one.optimizer.variables, runs.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+    assert np.abs(one.get_weights()[0] - _model().get_weights()[0]).max() > 1e-2  # it trained
+    assert runs.optimizer.get_config()["groups"] == 3
+
+
+def test_runs_are_consecutive_and_of_about_equal_size():
+    assert _host._runs([10, 1, 10, 1, 10, 1], 3) == [[0, 1], [2, 3], [4, 5]]
+    assert _host._runs([5, 5], 4) == [[0], [1]]  # no more runs than weights
+    assert _host._runs([1, 1, 1, 100], 2) == [[0, 1, 2, 3]]  # a run ends once it holds its share
+    with pytest.raises(ValueError, match="groups must be a positive int. Received: groups=0"):
+        HostOffload("adam", groups=0)
+    with pytest.raises(ValueError, match=r"cannot wrap an optimizer with global_clipnorm=1.0, "
+                                         r"gradient_accumulation_steps=2 \(kvram.Model's"):
+        HostOffload(keras.optimizers.Adam(global_clipnorm=1.0, gradient_accumulation_steps=2), groups=2)

@@ -87,18 +87,40 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     with XLA and 45.6 ms without for `AdamW`, 90 and 352 ms for `AdamW8bit` (2026-12-05,
     `python benchmarks/optimizers/host_update.py`; benchmarks/results/optimizers_host_update_cpu.json).
 
+    With `groups=k`, the weights (in the model's order) are cut into k runs of about equal size,
+    each updated by its own computation once its gradients are on the host and the run before it
+    is updated, the last run first: the gradients of a model's last blocks are made first, so the
+    host can update them, and copy their weights back, while the device computes the first blocks'
+    gradients (not under a guard that skips non-finite steps, `kvram.Model(skip_nonfinite=True)`,
+    or a `LossScaleOptimizer`: they wait for every gradient first). The step count moves once,
+    after the last run. Not with what needs every gradient at once (`global_clipnorm`,
+    `gradient_accumulation_steps`, `use_ema`). How much this overlap saves on a GPU is not measured.
+
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` that computes the update.
         host: the device holding masters and state ("/CPU:0").
         jit_compile: compile the host's update with XLA (True) or run it as TensorFlow ops.
+        groups: the runs of weights updated one by one (1: one update of every weight).
     """
 
-    def __init__(self, inner_optimizer, host="/CPU:0", jit_compile=True, name=None):
+    def __init__(self, inner_optimizer, host="/CPU:0", jit_compile=True, groups=1, name=None):
         inner_optimizer = keras.optimizers.get(inner_optimizer)
         if isinstance(inner_optimizer, (HostOffload, keras.optimizers.LossScaleOptimizer)):
             raise ValueError(
                 f"HostOffload wraps the optimizer that computes the update, not a {type(inner_optimizer).__name__}. "
                 "Allowed: HostOffload(keras.optimizers.AdamW(...)), wrapped in a LossScaleOptimizer if needed.")
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups must be a positive int. Received: groups={groups!r}")
+        if groups > 1:
+            given = [f"{k}={getattr(inner_optimizer, k)!r}" for k, off in (("global_clipnorm", None), ("use_ema", False))
+                     if getattr(inner_optimizer, k) != off]
+            if (inner_optimizer.gradient_accumulation_steps or 1) > 1:
+                given.append(f"gradient_accumulation_steps={inner_optimizer.gradient_accumulation_steps} "
+                             "(kvram.Model's accumulation_steps sets it)")
+            if given:
+                raise ValueError(f"HostOffload(groups={groups}) updates each run of weights from its own gradients, "
+                                 f"so it cannot wrap an optimizer with {', '.join(given)}, which needs every gradient "
+                                 "at once. Allowed: groups=1, or clipnorm/clipvalue (per weight).")
         cpus = tf.config.list_logical_devices("CPU")
         spec = tf.DeviceSpec.from_string(host)
         if spec.device_type != "CPU" or not any(
@@ -108,6 +130,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         super().__init__(inner_optimizer, name=name or "host_offload")
         self.host = host
         self.jit_compile = bool(jit_compile)
+        self.groups = groups
         self.masters = []
         self._updates = {}
 
@@ -178,21 +201,44 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                              f"{context.num_replicas_in_sync} replicas. Allowed: one device.")
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         masters = [self._master_of[self._var_key(v)] for _, v in pairs]
+        if self.groups == 1:
+            with tf.device(self.host):
+                host_grads = [_copy(g) for g, _ in pairs]
+                values = self._host_update(masters, tuple(v.dtype for _, v in pairs))(host_grads)
+            for (_, variable), value in zip(pairs, values):
+                variable.assign(value)  # cast on the host: a bfloat16 weight crosses as 2 bytes per value
+            return
+        for run in reversed(_runs([int(np.prod(v.shape)) for _, v in pairs], self.groups)):
+            with tf.device(self.host):
+                host_grads = [_copy(pairs[i][0]) for i in run]
+                values = self._host_update([masters[i] for i in run], tuple(pairs[i][1].dtype for i in run),
+                                           whole=False)(host_grads)
+            for i, value in zip(run, values):
+                pairs[i][1].assign(value)
         with tf.device(self.host):
-            host_grads = [_copy(g) for g, _ in pairs]
-            values = self._host_update(masters, tuple(v.dtype for _, v in pairs))(host_grads)
-        for (_, variable), value in zip(pairs, values):
-            variable.assign(value)  # cast on the host: a bfloat16 weight crosses as 2 bytes per value
+            self.inner_optimizer.iterations.assign_add(1)  # after every run's update (they read it)
 
-    def _host_update(self, masters, dtypes):
+    def _host_update(self, masters, dtypes, whole=True):
         """`grads -> weights`: the inner optimizer's step on `masters`, and each master cast to its
-        weight's dtype; one XLA computation on the host with `jit_compile`."""
-        key = (tuple(id(m) for m in masters), dtypes)
+        weight's dtype; one XLA computation on the host with `jit_compile`. `whole=False`: a run
+        of the weights (`groups`), the step count left as it is."""
+        key = (tuple(id(m) for m in masters), dtypes, whole)
         function = self._updates.get(key)
         if function is None:
-            def function(grads):
-                self.inner_optimizer.apply([_float32(g) for g in grads], masters)
-                return [tf.cast(m, dtype) for m, dtype in zip(masters, dtypes)]
+            inner = self.inner_optimizer
+            if whole:
+                def function(grads):
+                    inner.apply([_float32(g) for g in grads], masters)
+                    return [tf.cast(m, dtype) for m, dtype in zip(masters, dtypes)]
+            else:
+                def function(grads):
+                    # Keras's Optimizer.apply for these weights, but for the step count
+                    learning_rate = inner._get_current_learning_rate()
+                    grads = inner._clip_gradients([_float32(g) for g in grads])
+                    inner._apply_weight_decay(masters)
+                    for gradient, master in zip(grads, masters):
+                        inner.update_step(gradient, master, learning_rate)
+                    return [tf.cast(m, dtype) for m, dtype in zip(masters, dtypes)]
 
             if self.jit_compile:
                 function = tf.function(function, jit_compile=True, autograph=False)
@@ -219,7 +265,19 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
             variable.assign(tf.cast(master, variable.dtype))
 
     def get_config(self):
-        return {**super().get_config(), "host": self.host, "jit_compile": self.jit_compile}
+        return {**super().get_config(), "host": self.host, "jit_compile": self.jit_compile, "groups": self.groups}
+
+
+def _runs(sizes, groups: int) -> list:
+    """Consecutive index runs of `sizes`, at most `groups` of them, each of about 1/groups of the total."""
+    total, runs, run, done = sum(sizes), [], [], 0
+    for i, size in enumerate(sizes):
+        run.append(i)
+        done += size
+        if len(runs) < groups - 1 and done >= total * (len(runs) + 1) / groups:
+            runs.append(run)
+            run = []
+    return runs + [run] if run else runs
 
 
 def _scalars_to_host(optimizer, host) -> None:
