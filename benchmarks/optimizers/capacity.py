@@ -16,7 +16,9 @@ bfloat16 compute under XLA:
 - `kvram_offload`: as `kvram_state` with `host_offload=True` instead of `update_in_backward`
   (state and float32 master weights on the host, `--accumulation` batches per update; with
   `--row-chunks`, each block runs a step's `--batch` rows in that many slices, so a step of many
-  rows makes, and sends to the host, each gradient once).
+  rows makes, and sends to the host, each gradient once; with `--host-groups N`, the host updates
+  N runs of weights one by one as their gradients arrive, without the non-finite guard unless
+  `--skip-nonfinite 1`).
 - `kvram_gpu`: `kvram_offload`'s twin on the device (`mixed_bfloat16`, the same `AdamW8bit` and
   `--accumulation`): its loss after `--steps` is what the offloaded run's should equal.
 
@@ -95,9 +97,13 @@ def child(name, depth, args):
     blocks = [any(n.startswith("transformer_layer") for n in s.layers) for s in chain]
     model = remat.rebuild(model, [[i] for i in range(len(chain))], blocks, row_chunks=args.row_chunks)
     if name in _ACCUMULATING:
+        runs = name == "kvram_offload" and args.host_groups > 1  # the guard would wait for every gradient
         model = kvram.Model(model.input, model.output, host_offload=name == "kvram_offload",
-                            accumulation_steps=args.accumulation, name=model.name)
+                            accumulation_steps=args.accumulation, name=model.name,
+                            **({"skip_nonfinite": bool(args.skip_nonfinite)} if runs else {}))
         optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01)  # float32 weights or masters
+        if runs:
+            optimizer = kvram.optimizers.HostOffload(optimizer, groups=args.host_groups)
     elif lean:
         model = kvram.Model(model.input, model.output, update_in_backward=True, name=model.name,
                             skip_nonfinite=bool(args.skip_nonfinite))
@@ -172,7 +178,7 @@ def summary(runs: list) -> dict:
     return out
 
 
-_SHAPE = ("gpu_memory_gib", "sequence", "batch", "row_chunks", "hidden", "intermediate", "heads", "kv_heads", "vocabulary",
+_SHAPE = ("gpu_memory_gib", "sequence", "batch", "row_chunks", "host_groups", "hidden", "intermediate", "heads", "kv_heads", "vocabulary",
           "steps", "warmup", "peak_tflops", "device")
 
 
@@ -215,6 +221,9 @@ def main():
     parser.add_argument("--row-chunks", type=int, default=None,
                         help="each checkpointed block runs a step's --batch rows in this many slices, one after "
                              "another (Checkpoint row_chunks): a step of --batch rows makes each gradient once")
+    parser.add_argument("--host-groups", type=int, default=1,
+                        help="kvram_offload: HostOffload(groups=N), each run of weights updated once its gradients "
+                             "are on the host (then skip_nonfinite per --skip-nonfinite)")
     parser.add_argument("--skip-nonfinite", type=int, choices=(0, 1), default=0,
                         help="kvram_state/kvram_factored: 1 guards each step (a second backward pass decides "
                              "the skip), 0 applies every step as Keras does (the default)")
