@@ -404,3 +404,11 @@ def test_runs_are_consecutive_and_of_about_equal_size():
     with pytest.raises(ValueError, match=r"cannot wrap an optimizer with global_clipnorm=1.0, "
                                          r"gradient_accumulation_steps=2 \(kvram.Model's"):
         HostOffload(keras.optimizers.Adam(global_clipnorm=1.0, gradient_accumulation_steps=2), groups=2)
+
+
+def test_the_update_rate_is_measured_on_the_host_whatever_the_default_device():
+    """`kvram plan`'s prediction of the host update's seconds (`_host.update_rate`) where the default
+    device is another (a GPU: there the optimizer's learning rate was made on the GPU, and the host's
+    XLA update refused to read it, on an H100, 2026-12-06)."""
+    with tf.device(DEVICE):
+        assert _host.update_rate(keras.optimizers.AdamW(1e-3), 2**12, 1, jit_compile=True) > 0

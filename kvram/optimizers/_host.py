@@ -306,10 +306,12 @@ def update_rate(optimizer, parameters: int = 2**22, updates: int = 3, jit_compil
     instance, left as it is): `parameters` float32 values in 4 variables, `updates` timed updates
     after 2 untimed ones, as one XLA computation on the CPU with `jit_compile`."""
     optimizer = keras.optimizers.get(optimizer)
-    optimizer = optimizer.__class__.from_config(optimizer.get_config())
     rng = np.random.default_rng(0)
     shape = (max(1, parameters // 4 // 1024), 1024)
     with tf.device("/CPU:0"):
+        # its step count and learning rate made on the host too: the host's XLA update cannot read
+        # a variable on another device (the default one: a GPU)
+        optimizer = optimizer.__class__.from_config(optimizer.get_config())
         variables = [keras.Variable(rng.normal(size=shape).astype("float32")) for _ in range(4)]
         gradients = [tf.constant(rng.normal(size=shape).astype("float32") * 1e-3) for _ in range(4)]
         optimizer.build(variables)
