@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from kvram.optimizers._wrapper import Wrapper
+from kvram.optimizers._wrapper import Wrapper, settings_given
 
 # Optimizer state per parameter, in bytes, for Keras's optimizers (their `build`); kvram's
 # AdamW8bit counts its own (`_state_bytes`). Used to refuse a host too small before anything
@@ -112,11 +112,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups must be a positive int. Received: groups={groups!r}")
         if groups > 1:
-            given = [f"{k}={getattr(inner_optimizer, k)!r}" for k, off in (("global_clipnorm", None), ("use_ema", False))
-                     if getattr(inner_optimizer, k) != off]
-            if (inner_optimizer.gradient_accumulation_steps or 1) > 1:
-                given.append(f"gradient_accumulation_steps={inner_optimizer.gradient_accumulation_steps} "
-                             "(kvram.Model's accumulation_steps sets it)")
+            given = settings_given(inner_optimizer, {"global_clipnorm": None, "use_ema": False})
             if given:
                 raise ValueError(f"HostOffload(groups={groups}) updates each run of weights from its own gradients, "
                                  f"so it cannot wrap an optimizer with {', '.join(given)}, which needs every gradient "

@@ -10,7 +10,7 @@ import tensorflow as tf
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tensorflow.python.ops import resource_variable_ops
 
-from kvram.optimizers._wrapper import Wrapper
+from kvram.optimizers._wrapper import Wrapper, settings_given
 
 
 def _plain_variables_on(device):
@@ -36,11 +36,7 @@ def _replicas() -> list:
 
 def _refuse(inner) -> None:
     """What a replica's update of its chunks alone cannot do."""
-    given = [f"{k}={getattr(inner, k)!r}" for k, off in (("clipnorm", None), ("clipvalue", None), ("use_ema", False))
-             if getattr(inner, k) != off]
-    if (inner.gradient_accumulation_steps or 1) > 1:
-        given.append(f"gradient_accumulation_steps={inner.gradient_accumulation_steps} (kvram.Model's "
-                     "accumulation_steps sets it)")
+    given = settings_given(inner, {"clipnorm": None, "clipvalue": None, "use_ema": False})
     if given:
         raise ValueError(f"ShardedState cannot shard an optimizer with {', '.join(given)}: each replica updates "
                          "its chunks alone. Allowed: global_clipnorm (the summed gradient is clipped whole), and "

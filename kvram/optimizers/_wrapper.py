@@ -7,6 +7,17 @@ from __future__ import annotations
 from keras.src.saving import serialization_lib
 
 
+def settings_given(inner, off: dict) -> list:
+    """`name=value` for each setting in `off` (name: its off value) that `inner` has on, and for
+    its gradient accumulation, if any: what a wrapper that updates part of the weights at a time
+    refuses."""
+    given = [f"{name}={getattr(inner, name)!r}" for name, value in off.items() if getattr(inner, name) != value]
+    if (inner.gradient_accumulation_steps or 1) > 1:
+        given.append(f"gradient_accumulation_steps={inner.gradient_accumulation_steps} (kvram.Model's "
+                     "accumulation_steps sets it)")
+    return given
+
+
 class Wrapper:
     """Mixed in before `keras.optimizers.Optimizer`: an optimizer around `inner_optimizer`; the
     class gives `apply` and `build`. (Not an optimizer itself: nothing to register or save.)"""
