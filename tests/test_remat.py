@@ -452,7 +452,7 @@ def test_a_step_that_does_not_fit_is_measured_in_windows_and_planned_alike(reque
     (the pooling segment read -3, -2 or 0 MiB at 32 rows and 6 blocks, beside two busy loops). At 6
     blocks that activation was 7% of what the segments keep, and the two sums fell up to 3 MiB
     apart, over the 10% bar; at 12 blocks and 16 rows it is 3.5%, and six pairs of profiles beside
-    two busy loops fell 0.25-1.0 MiB apart, against a bar of 2.8."""
+    two busy loops fell 0.5-0.75 MiB apart, against a bar of 2.8."""
     from kvram.remat import _profile
     from kvram.remat._check import _loss_function
     from kvram.remat._plan import _chain
