@@ -197,22 +197,18 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                              f"{context.num_replicas_in_sync} replicas. Allowed: one device.")
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         masters = [self._master_of[self._var_key(v)] for _, v in pairs]
-        if self.groups == 1:
-            with tf.device(self.host):
-                host_grads = [_copy(g) for g, _ in pairs]
-                values = self._host_update(masters, tuple(v.dtype for _, v in pairs))(host_grads)
-            for (_, variable), value in zip(pairs, values):
-                variable.assign(value)  # cast on the host: a bfloat16 weight crosses as 2 bytes per value
-            return
-        for run in reversed(_runs([int(np.prod(v.shape)) for _, v in pairs], self.groups)):
+        whole = self.groups == 1
+        runs = [range(len(pairs))] if whole else reversed(_runs([int(np.prod(v.shape)) for _, v in pairs], self.groups))
+        for run in runs:
             with tf.device(self.host):
                 host_grads = [_copy(pairs[i][0]) for i in run]
                 values = self._host_update([masters[i] for i in run], tuple(pairs[i][1].dtype for i in run),
-                                           whole=False)(host_grads)
+                                           whole=whole)(host_grads)
             for i, value in zip(run, values):
-                pairs[i][1].assign(value)
-        with tf.device(self.host):
-            self.inner_optimizer.iterations.assign_add(1)  # after every run's update (they read it)
+                pairs[i][1].assign(value)  # cast on the host: a bfloat16 weight crosses as 2 bytes per value
+        if not whole:
+            with tf.device(self.host):
+                self.inner_optimizer.iterations.assign_add(1)  # after every run's update (they read it)
 
     def _host_update(self, masters, dtypes, whole=True):
         """`grads -> weights`: the inner optimizer's step on `masters`, and each master cast to its
