@@ -178,8 +178,8 @@ def summary(runs: list) -> dict:
     return out
 
 
-_SHAPE = ("gpu_memory_gib", "sequence", "batch", "row_chunks", "host_groups", "hidden", "intermediate", "heads", "kv_heads", "vocabulary",
-          "steps", "warmup", "peak_tflops", "device")
+_SHAPE = ("gpu_memory_gib", "sequence", "batch", "row_chunks", "host_groups", "hidden", "intermediate", "heads",
+          "kv_heads", "vocabulary", "steps", "warmup", "peak_tflops", "device")
 
 
 def combine(paths: list) -> dict:
