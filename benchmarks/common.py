@@ -134,6 +134,10 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     import tensorflow as tf
 
     times = {}
+    started = time.perf_counter()
+
+    def stage(message):  # on stderr, as kvram's stage lines: a run cut short says how far it got
+        print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
 
     class Clock(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -149,7 +153,9 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
 
         spe = _execution.steps_for(model, [Clock()], "train")
     steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
+    stage(f"warm-up: {warmup} steps (compilation included)")
     model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0, callbacks=[Clock()])
+    stage(f"warm-up done: {times['end'] - times['start']:.1f} s; timing {steps} steps")
 
     def peak_gib(device):
         try:
@@ -161,6 +167,7 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
         if peak_gib(device) is not None:
             tf.config.experimental.reset_memory_stats(device)
     model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
+    stage(f"timed steps done: {times['end'] - times['start']:.1f} s")
     return {
         "steps": steps,
         "seconds": times["end"] - times["start"],
@@ -240,12 +247,15 @@ def image_runners(build_tf, torch_step) -> dict:
 def run_child(command, timeout=None, env=None, cwd=None) -> tuple[list, str | None, str]:
     """Runs `command`, a suite's child process. Returns the JSON records it printed (each on
     a line that starts with `RESULT `, or with `[worker I] RESULT ` under `kvram launch`), why it failed
-    (None where it exited 0 with a record; else its output's tail or the time limit it ran
-    past), and its stderr."""
+    (None where it exited 0 with a record; else its output's tail, or the time limit it ran
+    past followed by the last stage lines it printed), and its stderr (so far, where it ran
+    past the limit)."""
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    except subprocess.TimeoutExpired:
-        return [], f"timed out after {timeout} s", ""
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        stages = [line for line in stderr.splitlines() if re.match(r"\[\s*[0-9.]+ s\] ", line)]
+        return [], "\n".join([f"timed out after {timeout} s", *stages[-5:]]), stderr
     records = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
                if re.match(r"(\[worker \d+\] )?RESULT ", line)]
     failed = proc.returncode or not records

@@ -19,6 +19,11 @@ def test_run_child_says_why_a_child_failed_or_printed_no_record():
     assert records == [] and error == "no record\n"
     records, error, _ = run_child([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
     assert records == [] and error == "timed out after 0.5 s"
+    # a child cut short: the stage lines it had printed say how far it got
+    script = "import sys, time; print('[    1.5 s] compiled', file=sys.stderr, flush=True); print('noise', " \
+             "file=sys.stderr, flush=True); time.sleep(30)"
+    records, error, stderr = run_child([sys.executable, "-c", script], timeout=3)
+    assert records == [] and error == "timed out after 3 s\n[    1.5 s] compiled" and "noise" in stderr
 
 
 def test_without_options_drops_the_options_and_their_values():
@@ -67,3 +72,18 @@ def test_capacity_combines_runs_of_one_shape_and_refuses_another_shape(tmp_path)
     assert [r["commit"] for r in combine([str(again), report("e", "keras_adamw", 130)])["runs"]] == ["a", "b", "c", "e"]
     with pytest.raises(SystemExit, match="differs .* in hidden"):
         combine([keras, report("d", "kvram_state", 450, hidden=1024)])
+
+
+def test_timed_fit_says_on_stderr_when_warm_up_and_timed_steps_end(capfd):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks.common import timed_fit
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    data = tf.data.Dataset.from_tensors((np.ones((2, 3), "float32"), np.ones((2, 1), "float32"))).repeat()
+    timed = timed_fit(model, data, steps=2, warmup=1, devices=["CPU:0"])
+    stages = [line.split("] ", 1)[1].split(":")[0] for line in capfd.readouterr().err.splitlines() if "] " in line]
+    assert timed["steps"] == 2 and stages == ["warm-up", "warm-up done", "timed steps done"]
