@@ -87,3 +87,11 @@ def test_timed_fit_says_on_stderr_when_warm_up_and_timed_steps_end(capfd):
     timed = timed_fit(model, data, steps=2, warmup=1, devices=["CPU:0"])
     stages = [line.split("] ", 1)[1].split(":")[0] for line in capfd.readouterr().err.splitlines() if "] " in line]
     assert timed["steps"] == 2 and stages == ["warm-up", "warm-up done", "timed steps done"]
+
+
+def test_capacity_records_a_timed_out_run_as_such_with_how_far_it_got():
+    from benchmarks.optimizers.capacity import _error_tail, _first_error_line
+
+    error = "timed out after 190 s\n[   80.2 s] warm-up: 1 steps (compilation included)"
+    assert _first_error_line(error) == "timed out after 190 s"
+    assert _error_tail(error).endswith("warm-up: 1 steps (compilation included)")

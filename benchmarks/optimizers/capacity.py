@@ -138,7 +138,7 @@ def child(name, depth, args):
 
 
 def _first_error_line(text: str) -> str:
-    for marker in ("ResourceExhaustedError", "Out of memory", "OOM", "Error"):
+    for marker in ("timed out after", "ResourceExhaustedError", "Out of memory", "OOM", "Error"):
         for line in text.splitlines():
             if marker in line:
                 return line.strip()[:400]
