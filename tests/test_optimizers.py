@@ -46,6 +46,19 @@ def test_a_non_negative_round_trip_errs_by_at_most_half_a_bin():
     assert np.all(y[inside] > 0)
 
 
+def test_values_beside_a_decade_bound_are_coded_in_their_own_decade():
+    """Each decade's float32 bound and its neighbours: a value just under a bound (0.009999997 of
+    the scale) takes its own decade's finest bin, not the coarser decade above (float32's log10
+    put it there: an error of 7.0e-4 instead of 1.4e-4)."""
+    bounds = np.float32(10.0) ** -np.arange(1, 7, dtype=np.float32)
+    x = np.concatenate([[1.0], bounds, np.nextafter(bounds, 0), np.nextafter(bounds, 1)]).astype("float32")
+    x = np.resize(x, 2048 * 3)
+    y, scale = _round_trip(x, False)
+    decade = np.clip(np.floor(np.log10(x.astype(np.float64))) + 7, 0, 6)
+    half_bin = 0.45 * 10.0 ** (decade - 6) / 2.0 ** (decade + 1) * scale
+    assert np.all(np.abs(y - x) <= half_bin * (1 + 1e-4)), np.max(np.abs(y - x) / half_bin)
+
+
 def test_quantizing_non_finite_values_runs():
     """A skipped step's moments may be NaN/Inf (they are then not kept): quantizing them must not
     fail (a NaN decade index once did, outside XLA)."""
