@@ -83,8 +83,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
 
     With `jit_compile` (the default) the host's update is one XLA computation on the CPU: the
     optimizer's elementwise steps fused into one pass over the masters and state instead of one
-    pass per TensorFlow op. On a 2-core CPU with AVX-512, an update of 16.8M parameters took 16.6 ms
-    with XLA and 45.6 ms without for `AdamW`, 90 and 352 ms for `AdamW8bit` (2026-12-05,
+    pass per TensorFlow op. On a 2-core CPU with AVX-512, an update of 16.8M parameters took 14.0 ms
+    with XLA and 46.7 ms without for `AdamW`, 48.3 and 354 ms for `AdamW8bit` (2026-12-06,
     `python benchmarks/optimizers/host_update.py`; benchmarks/results/optimizers_host_update_cpu.json).
 
     With `groups=k`, the weights (in the model's order) are cut into k runs of about equal size,
