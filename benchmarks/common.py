@@ -126,7 +126,8 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     rounded up to whole executions of the model's `steps_per_execution`.
 
     Returns the timed steps, seconds for them (the clock stops after the last
-    step's loss has been read, so queued GPU work is counted), that loss, the
+    step's loss has been read, so queued GPU work is counted), the warm-up's
+    steps and seconds (compilation included), that loss, the
     peak bytes TensorFlow allocated on each of `devices` during them, and their
     wall-clock window (Unix seconds).
     """
@@ -155,7 +156,8 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
     stage(f"warm-up: {warmup} steps (compilation included)")
     model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0, callbacks=[Clock()])
-    stage(f"warm-up done: {times['end'] - times['start']:.1f} s; timing {steps} steps")
+    warmup_seconds = times["end"] - times["start"]
+    stage(f"warm-up done: {warmup_seconds:.1f} s; timing {steps} steps")
 
     def peak_gib(device):
         try:
@@ -171,6 +173,8 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     return {
         "steps": steps,
         "seconds": times["end"] - times["start"],
+        "warmup_steps": warmup,
+        "warmup_seconds": warmup_seconds,  # the first steps, compilation included
         "loss": times["loss"],
         "peak_gib": {d: peak_gib(d) for d in devices},
         # wall-clock (Unix) seconds of the timed steps: whether processes run side by side overlapped there

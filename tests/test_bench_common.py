@@ -87,6 +87,7 @@ def test_timed_fit_says_on_stderr_when_warm_up_and_timed_steps_end(capfd):
     timed = timed_fit(model, data, steps=2, warmup=1, devices=["CPU:0"])
     stages = [line.split("] ", 1)[1].split(":")[0] for line in capfd.readouterr().err.splitlines() if "] " in line]
     assert timed["steps"] == 2 and stages == ["warm-up", "warm-up done", "timed steps done"]
+    assert timed["warmup_steps"] == 1 and timed["warmup_seconds"] > 0
 
 
 def test_capacity_records_a_timed_out_run_as_such_with_how_far_it_got():

@@ -130,6 +130,7 @@ def child(name, depth, args):
                   "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / (args.peak_tflops * 1e12),
                   "peak_gib": timed["peak_gib"][args.device], "final_loss": timed["loss"],
                   "timed_steps": timed["steps"], "timed_window": timed["timed_window"],
+                  "warmup_steps": timed["warmup_steps"], "warmup_s": timed["warmup_seconds"],
                   "wall_s_with_compile": time.perf_counter() - started,
                   "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                   "batches_per_update": args.accumulation if name in _ACCUMULATING else 1,
