@@ -248,6 +248,12 @@ def image_runners(build_tf, torch_step) -> dict:
     return {"tf": run_tf, "torch": run_torch}
 
 
+def stage_lines(text: str) -> list:
+    """The stage lines in a child's stderr ("[   12.3 s] ..."): kvram's (remat.plan's, estimate's)
+    and `timed_fit`'s."""
+    return [line for line in text.splitlines() if re.match(r"\[\s*[0-9.]+ s\] ", line)]
+
+
 def run_child(command, timeout=None, env=None, cwd=None) -> tuple[list, str | None, str]:
     """Runs `command`, a suite's child process. Returns the JSON records it printed (each on
     a line that starts with `RESULT `, or with `[worker I] RESULT ` under `kvram launch`), why it failed
@@ -258,8 +264,7 @@ def run_child(command, timeout=None, env=None, cwd=None) -> tuple[list, str | No
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     except subprocess.TimeoutExpired as e:
         stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        stages = [line for line in stderr.splitlines() if re.match(r"\[\s*[0-9.]+ s\] ", line)]
-        return [], "\n".join([f"timed out after {timeout} s", *stages[-5:]]), stderr
+        return [], "\n".join([f"timed out after {timeout} s", *stage_lines(stderr)[-5:]]), stderr
     records = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
                if re.match(r"(\[worker \d+\] )?RESULT ", line)]
     failed = proc.returncode or not records
@@ -281,8 +286,7 @@ def run_children(script: str, names, args, describe, timeout=None, environment=N
         records, error, stderr = run_child([sys.executable, script, "--child", name, *map(str, args)],
                                            timeout, environment(name) if environment else None)
         r = results[name] = {"error": error} if error else records[-1]
-        # kvram's stage lines ("[   12.3 s] ..." on stderr: remat.plan's, estimate's), kept
-        stages = [l for l in stderr.splitlines() if re.match(r"\[\s*[0-9.]+ s\] ", l)]
+        stages = stage_lines(stderr)  # kept in the result
         if stages:
             r["stages"] = stages
         r["wall_s"] = time.perf_counter() - started
