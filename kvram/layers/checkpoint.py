@@ -107,7 +107,9 @@ class Checkpoint(keras.layers.Layer):
     once per batch. The block's rows must be independent of each other
     (a transformer block, not `BatchNormalization`); random layers draw
     different numbers for each slice, replayed alike in the recomputation.
-    With `policy="full"` only.
+    Where the number of rows is known when the step is traced, the slices of
+    equal size run as one loop (`tf.while_loop`), so the step's graph, and its
+    XLA compilation, do not grow with k. With `policy="full"` only.
 
     Args:
         layer: a `keras.layers.Layer` (a `keras.Sequential` or any model also
@@ -282,27 +284,118 @@ def _ordered(tensors, zero):
 
 
 def _row_chunked(forward, chunks: int, n_in: int, state):
-    """`forward(*inputs, *state_values)` (a `Checkpoint`'s) over `chunks` slices of the inputs'
-    rows, one after another, with `tf.recompute_grad`'s gradient: each slice recomputed in
-    the backward pass from its rows, and the variables' gradients summed in float32 over the
-    slices. Each slice starts from the state (`state`'s values) its forward pass started from,
-    so random layers replay their numbers. Every input is sliced along its first axis."""
+    """`forward(*inputs, *state_values)` (a `Checkpoint`'s) over slices of `ceil(rows / chunks)` of
+    the inputs' rows, one after another, with `tf.recompute_grad`'s gradient: each slice recomputed
+    in the backward pass from its rows, and the variables' gradients summed in float32 over the
+    slices. Each slice starts from the state (`state`'s values) its forward pass started from, so
+    random layers replay their numbers. Every input is sliced along its first axis.
+
+    Where the rows are known when traced, the equal slices run as one `tf.while_loop` in each pass
+    (its body traced, and compiled by XLA, once for any `chunks`) and a shorter last slice, if any,
+    after it; otherwise as `chunks` slices written out one after another."""
     from tensorflow.python.eager import record
 
-    def piece(tensors, size, i):
-        rows = tf.shape(tensors[0])[0]
-        start = tf.minimum(i * size, rows)
+    def piece(tensors, start, size):
+        """Rows start .. start + size of each tensor, fewer where they end first."""
         return [t[start:start + size] for t in tensors]
+
+    def rows_of(tensors, start, size: int):
+        """Exactly `size` rows of each tensor from `start` (a tensor in a loop): XLA's dynamic slice."""
+        return [tf.slice(t, tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0),
+                         [size] + t.shape[1:].as_list()) for t in tensors]
+
+    def slice_gradients(inputs, dys, reached, start, size, starts, variables, order, cut=piece):
+        """(input gradients, float32 variable gradients) of the slice of `size` rows at `start`
+        (taken by `cut`), recomputed from its starting state `starts` once `order` (a zero) is computed."""
+        dy = cut(dys, start, size)
+        with tf.GradientTape() as tape:
+            part = _ordered(cut(inputs, start, size), order)
+            tape.watch(part)
+            tape.watch(variables)
+            again = tree.flatten(forward(*part, *starts))
+        grads = tape.gradient([again[j] for j in reached], part + variables, output_gradients=dy,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return ([g if t.dtype.is_floating else None for g, t in zip(grads[:n_in], part)],
+                [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads[n_in:]])
+
+    def stacked(array, like):
+        """A TensorArray of equal slices as one tensor of their rows, in order."""
+        return tf.reshape(array.stack(), tf.concat([[-1], tf.shape(like)[1:]], 0))
 
     @tf.custom_gradient
     def chunked(*args):
         inputs, values = list(args[:n_in]), list(args[n_in:])
+        rows = inputs[0].shape[0]
+        if rows is None or rows < 1:
+            return _unrolled(inputs, values)
+        size = -(-rows // chunks)
+        full, rest = rows // size, rows % size  # `full` slices of `size` rows, then one of `rest`
+        with record.stop_recording():
+            # the first slice written out: its outputs give the loop's the structure
+            outputs = forward(*piece(inputs, 0, size), *values)
+            flat = tree.flatten(outputs)
+            starts = [tf.TensorArray(v.dtype, full, element_shape=v.shape).write(0, v) for v in values]
+            parts = [tf.TensorArray(t.dtype, full, element_shape=t.shape).write(0, t) for t in flat]
+            values = [tf.identity(v.value) for v in state]
+
+            def body(i, values, starts, parts):
+                starts = [a.write(i, v) for a, v in zip(starts, values)]
+                made = tree.flatten(forward(*rows_of(inputs, i * size, size), *values))
+                parts = [a.write(i, t) for a, t in zip(parts, made)]
+                return i + 1, [tf.identity(v.value) for v in state], starts, parts
+
+            _, values, starts, parts = tf.while_loop(lambda i, *_: i < full, body, (1, values, starts, parts),
+                                                     parallel_iterations=1)
+            flat = [stacked(a, t) for a, t in zip(parts, flat)]
+            starts = [a.stack() for a in starts]
+            last_start = values
+            if rest:
+                made = tree.flatten(forward(*piece(inputs, full * size, rest), *values))
+                flat = [tf.concat([t, m], 0) for t, m in zip(flat, made)]
+        result = tree.pack_sequence_as(outputs, flat)
+
+        def gradient(*dresult, variables=None):
+            variables = list(variables or [])
+            reached = [j for j, d in enumerate(dresult) if d is not None]  # outputs a gradient reaches
+            dys = [dresult[j] for j in reached]
+            order = zero_from(dys[0])  # recomputed once the gradient arrives
+            floating = [i for i, t in enumerate(inputs) if t.dtype.is_floating]
+            sums = [tf.zeros(v.shape, tf.float32) for v in variables]
+            input_parts = [tf.TensorArray(inputs[i].dtype, full, element_shape=[size] + inputs[i].shape[1:])
+                           for i in floating]
+
+            def body(i, sums, input_parts):
+                begun = [tf.gather(s, i) for s in starts]
+                grads, added = slice_gradients(inputs, dys, reached, i * size, size, begun, variables, order,
+                                               cut=rows_of)
+                input_parts = [a.write(i, grads[k]) for a, k in zip(input_parts, floating)]
+                return i + 1, [s + g for s, g in zip(sums, added)], input_parts
+
+            _, sums, input_parts = tf.while_loop(lambda i, *_: i < full, body, (0, sums, input_parts),
+                                                 parallel_iterations=1)
+            input_grads = [None] * n_in
+            for k, a in zip(floating, input_parts):
+                input_grads[k] = stacked(a, inputs[k])
+            if rest:
+                # after the loop's sums: one slice's activations at a time
+                after_loop = tf.add_n([zero_from(t) for t in [*sums, *input_grads] if t is not None] + [order])
+                grads, added = slice_gradients(inputs, dys, reached, full * size, rest, last_start, variables,
+                                               after_loop)
+                sums = [s + g for s, g in zip(sums, added)]
+                input_grads = [None if g is None else tf.concat([g, grads[k]], 0) for k, g in enumerate(input_grads)]
+            return (input_grads + [None] * (len(args) - n_in),
+                    [tf.cast(s, v.dtype) for s, v in zip(sums, variables)])
+
+        return result, gradient
+
+    def _unrolled(inputs, values):
+        """The slices written out one after another: rows unknown when traced."""
         size = (tf.shape(inputs[0])[0] + chunks - 1) // chunks
         starts, outputs = [], []
         with record.stop_recording():
             for i in range(chunks):
                 starts.append(values)
-                part = piece(inputs, size, i)
+                part = piece(inputs, tf.minimum(i * size, tf.shape(inputs[0])[0]), size)
                 if outputs:  # after the slice before it: one slice's activations at a time
                     part = _ordered(part, zero_from(tree.flatten(outputs[-1])[0]))
                 outputs.append(forward(*part, *values))
@@ -311,27 +404,20 @@ def _row_chunked(forward, chunks: int, n_in: int, state):
 
         def gradient(*dresult, variables=None):
             variables = list(variables or [])
-            sums, input_grads = [None] * len(variables), []
+            sums, input_grads = [tf.zeros(v.shape, tf.float32) for v in variables], []
             reached = [j for j, d in enumerate(dresult) if d is not None]  # outputs a gradient reaches
-            order = zero_from(dresult[reached[0]])  # recomputed once the gradient arrives
+            dys = [dresult[j] for j in reached]
+            order = zero_from(dys[0])  # recomputed once the gradient arrives
             for i in range(chunks):
-                dy = piece([dresult[j] for j in reached], size, i)
-                with tf.GradientTape() as tape:
-                    part = _ordered(piece(inputs, size, i), order)
-                    tape.watch(part)
-                    tape.watch(variables)
-                    again = tree.flatten(forward(*part, *starts[i]))
-                grads = tape.gradient([again[j] for j in reached], part + variables, output_gradients=dy,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                input_grads.append([g if t.dtype.is_floating else None for g, t in zip(grads[:n_in], part)])
-                for j, g in enumerate(grads[n_in:]):
-                    g = tf.cast(tf.convert_to_tensor(g), tf.float32)
-                    sums[j] = g if sums[j] is None else sums[j] + g
+                start = tf.minimum(i * size, tf.shape(inputs[0])[0])
+                grads, added = slice_gradients(inputs, dys, reached, start, size, starts[i], variables, order)
+                input_grads.append(grads)
+                sums = [s + g for s, g in zip(sums, added)]
                 # the next slice recomputed after this one's gradients are summed: one slice's at a time
-                made = [zero_from(t) for t in [*sums, *input_grads[-1]] if t is not None]
+                made = [zero_from(t) for t in [*sums, *grads] if t is not None]
                 order = tf.add_n(made) if made else order
             inputs_grad = [None if parts[0] is None else tf.concat(parts, 0) for parts in zip(*input_grads)]
-            return (inputs_grad + [None] * (len(args) - n_in),
+            return (inputs_grad + [None] * len(starts[0]),
                     [tf.cast(s, v.dtype) for s, v in zip(sums, variables)])
 
         return result, gradient
