@@ -489,6 +489,30 @@ def test_row_chunks_hold_a_slice_of_the_blocks_activations(jit):
     assert peaks[8] < 0.5 * peaks[None], {k: v / 2**20 for k, v in peaks.items()}
 
 
+def test_row_chunks_of_rows_known_and_a_length_unknown_when_traced():
+    """Rows known, another axis not (sequences of any length): the loop's slices take every value of
+    that axis, and the block's outputs and gradients are the slice-by-slice calls'."""
+    keras.utils.set_random_seed(0)
+    block = keras.Sequential([keras.Input((None, 5)), keras.layers.Dense(8, activation="gelu"), keras.layers.Dense(5)])
+    x = tf.constant(np.random.default_rng(0).normal(size=(6, 3, 5)).astype("float32"))
+
+    def step(call):
+        @tf.function(input_signature=[tf.TensorSpec((6, None, 5), tf.float32)])
+        def run(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = call(x)
+                loss = tf.reduce_sum(y * y)
+            return [y, *tape.gradient(loss, [x, *block.trainable_variables])]
+
+        return run(x)
+
+    chunked = Checkpoint(block, row_chunks=3)
+    ours = step(lambda x: chunked(x, training=True))
+    theirs = step(lambda x: tf.concat([block(x[i:i + 2], training=True) for i in (0, 2, 4)], 0))
+    assert max_rel_diff(theirs, ours) < 1e-6
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
 def test_row_chunks_trace_one_slice_however_many_there_are(jit):
     """The equal slices run as one loop: a step over 64 rows traces to as many graph nodes in

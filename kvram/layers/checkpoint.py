@@ -302,7 +302,7 @@ def _row_chunked(forward, chunks: int, n_in: int, state):
     def rows_of(tensors, start, size: int):
         """Exactly `size` rows of each tensor from `start` (a tensor in a loop): XLA's dynamic slice."""
         return [tf.slice(t, tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0),
-                         [size] + t.shape[1:].as_list()) for t in tensors]
+                         [size] + [-1] * (t.shape.rank - 1)) for t in tensors]
 
     def slice_gradients(inputs, dys, reached, start, size, starts, variables, order, cut=piece):
         """(input gradients, float32 variable gradients) of the slice of `size` rows at `start`
