@@ -127,9 +127,11 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
 
     Returns the timed steps, seconds for them (the clock stops after the last
     step's loss has been read, so queued GPU work is counted), the warm-up's
-    steps and seconds (compilation included), that loss, the
-    peak bytes TensorFlow allocated on each of `devices` during them, and their
-    wall-clock window (Unix seconds).
+    steps and seconds (compilation included), that loss, the GiB in use on each of
+    `devices` before the warm-up (weights, state: what stays between steps), the
+    peak GiB TensorFlow allocated on each during the timed steps, and their
+    wall-clock window (Unix seconds). The stage lines (stderr) say the first too, so
+    that a run out of memory in its first step says what was resident.
     """
     import keras
     import tensorflow as tf
@@ -154,16 +156,22 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
 
         spe = _execution.steps_for(model, [Clock()], "train")
     steps, warmup = whole_executions(steps, spe), whole_executions(warmup, spe)
-    stage(f"warm-up: {warmup} steps (compilation included)")
+
+    def gib(device, key):
+        try:
+            return tf.config.experimental.get_memory_info(device)[key] / 2**30
+        except ValueError:  # logical CPUs (a smoke run) keep no allocator statistics
+            return None
+
+    resident = {d: gib(d, "current") for d in devices}
+    stage(f"warm-up: {warmup} steps (compilation included); in use before it: "
+          + ", ".join(f"{d} {'n/a' if v is None else f'{v:.2f} GiB'}" for d, v in resident.items()))
     model.fit(data, steps_per_epoch=warmup, epochs=1, verbose=0, callbacks=[Clock()])
     warmup_seconds = times["end"] - times["start"]
     stage(f"warm-up done: {warmup_seconds:.1f} s; timing {steps} steps")
 
     def peak_gib(device):
-        try:
-            return tf.config.experimental.get_memory_info(device)["peak"] / 2**30
-        except ValueError:  # logical CPUs (a smoke run) keep no allocator statistics
-            return None
+        return gib(device, "peak")
 
     for device in devices:
         if peak_gib(device) is not None:
@@ -176,6 +184,7 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
         "warmup_steps": warmup,
         "warmup_seconds": warmup_seconds,  # the first steps, compilation included
         "loss": times["loss"],
+        "resident_gib": resident,
         "peak_gib": {d: peak_gib(d) for d in devices},
         # wall-clock (Unix) seconds of the timed steps: whether processes run side by side overlapped there
         "timed_window": [times["start_epoch_s"], times["end_epoch_s"]],

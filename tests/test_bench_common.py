@@ -84,10 +84,15 @@ def test_timed_fit_says_on_stderr_when_warm_up_and_timed_steps_end(capfd):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
     data = tf.data.Dataset.from_tensors((np.ones((2, 3), "float32"), np.ones((2, 1), "float32"))).repeat()
+    held = tf.ones((2**20,)) * 2.0  # 4 MiB from TensorFlow's allocator, alive during the fit
     timed = timed_fit(model, data, steps=2, warmup=1, devices=["CPU:0"])
-    stages = [line.split("] ", 1)[1].split(":")[0] for line in capfd.readouterr().err.splitlines() if "] " in line]
-    assert timed["steps"] == 2 and stages == ["warm-up", "warm-up done", "timed steps done"]
+    lines = [line.split("] ", 1)[1] for line in capfd.readouterr().err.splitlines() if "] " in line]
+    assert timed["steps"] == 2 and [line.split(":")[0] for line in lines] == ["warm-up", "warm-up done", "timed steps done"]
     assert timed["warmup_steps"] == 1 and timed["warmup_seconds"] > 0
+    # what was in use before the first step, in the result and in the first stage line
+    resident = timed["resident_gib"]["CPU:0"]
+    assert resident is not None and resident * 2**30 >= held.shape[0] * 4  # what was allocated before it
+    assert f"in use before it: CPU:0 {resident:.2f} GiB" in lines[0]
 
 
 def test_capacity_records_a_timed_out_run_as_such_with_how_far_it_got():

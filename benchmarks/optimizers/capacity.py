@@ -40,8 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
-    cap_first_gpu, child_result, gpu_name, result_header, run_child, set_kvram_switches, versions, without_options,
-    write_result,
+    cap_first_gpu, child_result, gpu_name, result_header, run_child, set_kvram_switches, stage_lines, versions,
+    without_options, write_result,
 )
 
 CONFIGS = {
@@ -128,7 +128,8 @@ def child(name, depth, args):
     child_result({"label": CONFIGS[name], "parameters": parameters, "trainable_parameters": trainable,
                   "weights_dtype": model.trainable_variables[0].dtype, "trained": True,
                   "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / (args.peak_tflops * 1e12),
-                  "peak_gib": timed["peak_gib"][args.device], "final_loss": timed["loss"],
+                  "peak_gib": timed["peak_gib"][args.device], "resident_gib": timed["resident_gib"][args.device],
+                  "final_loss": timed["loss"],
                   "timed_steps": timed["steps"], "timed_window": timed["timed_window"],
                   "warmup_steps": timed["warmup_steps"], "warmup_s": timed["warmup_seconds"],
                   "wall_s_with_compile": time.perf_counter() - started,
@@ -249,12 +250,13 @@ def main():
     runs = []
     for name, depth in _runs(args.runs):
         started = time.perf_counter()
-        records, error, _ = run_child([sys.executable, __file__, *forwarded, "--child", f"{name}:{depth}"],
-                                      args.timeout)
+        records, error, stderr = run_child([sys.executable, __file__, *forwarded, "--child", f"{name}:{depth}"],
+                                           args.timeout)
         # the first error line can be a bare C++ frame (XLA's status macros): the tail says what the error was
         run = {"trained": False, "error": _first_error_line(error), "error_tail": _error_tail(error)} if error \
             else records[-1]
-        run.update(config=name, depth=depth, wall_s=time.perf_counter() - started)
+        # how far it got, and the memory in use before its first step (timed_fit's stage lines)
+        run.update(config=name, depth=depth, wall_s=time.perf_counter() - started, stages=stage_lines(stderr))
         runs.append(run)
         text = (f"{run['parameters'] / 1e9:.2f} B parameters, {run['tokens_per_s']:.0f} tokens/s, "
                 f"MFU {run['mfu']:.1%}, peak {run['peak_gib']} GiB" if run["trained"] else f"did not train: {run['error']}")
