@@ -395,6 +395,47 @@ def test_runs_of_weights_updated_one_by_one_equal_one_update(inner):
     assert runs.optimizer.get_config()["groups"] == 3
 
 
+@pytest.mark.parametrize("inner, groups", [("adamw", 1), ("adamw8bit", 3)])
+def test_an_update_on_the_device_equals_the_hosts_and_leaves_the_state_on_the_host(inner, groups):
+    """HostOffload(update_device=...): the update's arithmetic on the model's device, reading and
+    writing the host's masters and state. Weights and host state equal the host's update (1e-6),
+    with weight decay and per-weight clipping; the state stays the host's; in the traced step the
+    gradients are not copied to the host and the update's square roots run on the device."""
+    x, y = _data()
+    made = {"adamw": lambda: _adamw(), "adamw8bit": lambda: AdamW8bit(1e-2, weight_decay=0.1, min_8bit_size=64,
+                                                                     block_size=64)}[inner]
+    models = []
+    for where in (None, DEVICE):
+        with tf.device(DEVICE):
+            model = _model(skip_nonfinite=False)
+            optimizer = made()
+            optimizer.clipnorm = 1.0
+            model.compile(HostOffload(optimizer, groups=groups, jit_compile=False, update_device=where), "mse")
+            model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+        models.append(model)
+    host, device = models
+    for a, b in zip(host.get_weights(), device.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    for a, b in zip(host.optimizer.variables, device.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+    assert np.abs(host.get_weights()[0] - _model().get_weights()[0]).max() > 1e-2  # it trained
+    state = device.inner_optimizer.variables + device.optimizer.masters
+    assert {(_device(v).device_type, _device(v).device_index) for v in state} == {("CPU", 0)}
+    assert device.optimizer.get_config()["update_device"] == DEVICE
+    for model, index in ((host, 0), (device, 1)):
+        with tf.device(DEVICE):
+            graph = tf.function(model.train_step).get_concrete_function((tf.constant(x), tf.constant(y))).graph
+        roots = {tf.DeviceSpec.from_string(op.device).device_index for op in graph.get_operations() if op.type == "Sqrt"}
+        assert roots == {index}, (model.optimizer.update_device, roots)
+
+
+def test_an_update_device_that_is_not_there_is_refused():
+    for bad in ("/GPU:7", "/CPU:9", 3):
+        with pytest.raises(ValueError, match=f"update_device must be None or name one of this machine's devices. "
+                                             f"Received: update_device={bad!r}. Allowed: None, "):
+            HostOffload(keras.optimizers.Adam(), update_device=bad)
+
+
 def test_runs_are_consecutive_and_of_about_equal_size():
     assert _host._runs([10, 1, 10, 1, 10, 1], 3) == [[0, 1], [2, 3], [4, 5]]
     assert _host._runs([5, 5], 4) == [[0], [1]]  # no more runs than weights

@@ -18,7 +18,8 @@ bfloat16 compute under XLA:
   `--row-chunks`, each block runs a step's `--batch` rows in that many slices, so a step of many
   rows makes, and sends to the host, each gradient once; with `--host-groups N`, the host updates
   N runs of weights one by one as their gradients arrive, without the non-finite guard unless
-  `--skip-nonfinite 1`).
+  `--skip-nonfinite 1`; with `--update-device gpu`, the update's arithmetic runs on the GPU,
+  reading and writing the host's masters and state: `HostOffload(update_device=...)`).
 - `kvram_gpu`: `kvram_offload`'s twin on the device (`mixed_bfloat16`, the same `AdamW8bit` and
   `--accumulation`): its loss after `--steps` is what the offloaded run's should equal.
 
@@ -97,13 +98,16 @@ def child(name, depth, args):
     blocks = [any(n.startswith("transformer_layer") for n in s.layers) for s in chain]
     model = remat.rebuild(model, [[i] for i in range(len(chain))], blocks, row_chunks=args.row_chunks)
     if name in _ACCUMULATING:
-        runs = name == "kvram_offload" and args.host_groups > 1  # the guard would wait for every gradient
+        on_device = name == "kvram_offload" and args.update_device == "gpu"
+        # the guard would wait for every gradient
+        runs = name == "kvram_offload" and (args.host_groups > 1 or on_device)
         model = kvram.Model(model.input, model.output, host_offload=name == "kvram_offload",
                             accumulation_steps=args.accumulation, name=model.name,
                             **({"skip_nonfinite": bool(args.skip_nonfinite)} if runs else {}))
         optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01)  # float32 weights or masters
         if runs:
-            optimizer = kvram.optimizers.HostOffload(optimizer, groups=args.host_groups)
+            optimizer = kvram.optimizers.HostOffload(optimizer, groups=args.host_groups,
+                                                     update_device=args.device if on_device else None)
     elif lean:
         model = kvram.Model(model.input, model.output, update_in_backward=True, name=model.name,
                             skip_nonfinite=bool(args.skip_nonfinite))
@@ -135,6 +139,7 @@ def child(name, depth, args):
                   "wall_s_with_compile": time.perf_counter() - started,
                   "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                   "batches_per_update": args.accumulation if name in _ACCUMULATING else 1,
+                  "update_device": (args.device if on_device else "host") if name == "kvram_offload" else None,
                   "xla_flags": os.environ.get("XLA_FLAGS", ""),
                   "versions": versions()})
 
@@ -226,6 +231,8 @@ def main():
     parser.add_argument("--host-groups", type=int, default=1,
                         help="kvram_offload: HostOffload(groups=N), each run of weights updated once its gradients "
                              "are on the host (then skip_nonfinite per --skip-nonfinite)")
+    parser.add_argument("--update-device", choices=("host", "gpu"), default="host",
+                        help="kvram_offload: where the update's arithmetic runs (the masters and state stay the host's)")
     parser.add_argument("--skip-nonfinite", type=int, choices=(0, 1), default=0,
                         help="kvram_state/kvram_factored: 1 guards each step (a second backward pass decides "
                              "the skip), 0 applies every step as Keras does (the default)")
