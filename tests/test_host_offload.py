@@ -181,6 +181,9 @@ def test_the_bytes_counted_before_build_are_those_build_allocates(inner):
                     if len(v.shape))
     gradients = 4 * model.count_params()  # a step's copies (float32 weights here), not variables
     assert exact and need == allocated + gradients
+    # updated on the device, the gradients are not copied to the host
+    on_device = HostOffload(inner(), update_device=DEVICE)
+    assert on_device.required_host_bytes(model.trainable_variables) == (allocated, True)
 
 
 def test_a_host_too_small_is_refused_with_the_numbers_before_anything_is_allocated(monkeypatch):

@@ -100,7 +100,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     gradients stay on the device, the masters and the state stay the host's variables, each read is
     copied to the device and each write copied back, and the weights are cast there. The host's
     cores then compute nothing, and each update moves the masters and the state across twice (12
-    bytes per parameter for `AdamW8bit`'s); with `groups`, one run's at a time. Where the host's cores
+    bytes per parameter with `AdamW8bit`); with `groups`, one run's at a time. Where the host's cores
     are the bound: a 16-core host updated 8 B parameters in 16.2 s with `AdamW8bit` and 6.2 s with
     `AdamW` (benchmarks/results/optimizers_host_update_threads_h100.json). How fast it is on a GPU is
     not measured.
@@ -153,7 +153,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
 
     def required_host_bytes(self, var_list) -> tuple[int, bool]:
         """(bytes the host needs for `var_list`: float32 masters, the optimizer's state and one
-        step's gradient copies, in the weights' dtype; whether the state is known exactly)."""
+        step's gradient copies, in the weights' dtype (none with `update_device`); whether the
+        state is known exactly)."""
         masters, copies, state, exact = self._host_parts(var_list)
         return masters + copies + state, exact
 
@@ -161,7 +162,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         """(masters, gradient copies, state) bytes of `var_list`, and whether the state's is exact."""
         state, exact = _state_bytes(self.inner_optimizer, [tuple(v.shape) for v in var_list])
         masters = 4 * sum(int(np.prod(v.shape)) for v in var_list)
-        copies = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in var_list)
+        # with update_device the gradients stay on the device
+        copies = 0 if self.update_device else sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in var_list)
         return masters, copies, state, exact
 
     def _check_host(self, var_list) -> None:
@@ -227,7 +229,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                 values = self._host_update([masters[i] for i in run], tuple(pairs[i][1].dtype for i in run),
                                            whole=whole)(grads)
             for i, value in zip(run, values):
-                pairs[i][1].assign(value)  # cast on the host: a bfloat16 weight crosses as 2 bytes per value
+                pairs[i][1].assign(value)  # cast where updated: from the host, bfloat16 crosses as 2 bytes
         if not whole:
             with tf.device(self.host):
                 self.inner_optimizer.iterations.assign_add(1)  # after every run's update (they read it)
