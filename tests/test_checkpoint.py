@@ -411,6 +411,18 @@ def test_outside_xla_what_a_block_derives_from_its_weights_is_computed_in_its_tu
     assert grown < held / 4, (grown, held)
 
 
+def _output_and_gradients(call, block):
+    """x -> [call(x), the gradients of sum(call(x)**2) for x and `block`'s weights]."""
+    def run(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = call(x)
+            loss = tf.reduce_sum(y * y)
+        return [y, *tape.gradient(loss, [x, *block.trainable_variables])]
+
+    return run
+
+
 def _row_block(dropout):
     layers = [keras.Input((5,)), keras.layers.Dense(16, activation="gelu")]
     if dropout:
@@ -439,14 +451,7 @@ def test_row_chunks_run_the_block_slice_by_slice_and_sum_its_gradients(rows, dro
     def step(call):
         unknown = [tf.TensorSpec((None, 5), tf.float32)] if jit is None else None
 
-        @tf.function(jit_compile=bool(jit), input_signature=unknown)
-        def run(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = call(x)
-                loss = tf.reduce_sum(y * y)
-            return [y, *tape.gradient(loss, [x, *block.trainable_variables])]
-
+        run = tf.function(_output_and_gradients(call, block), jit_compile=bool(jit), input_signature=unknown)
         for variable, value in zip(state, before):
             variable.assign(value)
         return run(x), [v.numpy() for v in state]
@@ -497,15 +502,7 @@ def test_row_chunks_of_rows_known_and_a_length_unknown_when_traced():
     x = tf.constant(np.random.default_rng(0).normal(size=(6, 3, 5)).astype("float32"))
 
     def step(call):
-        @tf.function(input_signature=[tf.TensorSpec((6, None, 5), tf.float32)])
-        def run(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = call(x)
-                loss = tf.reduce_sum(y * y)
-            return [y, *tape.gradient(loss, [x, *block.trainable_variables])]
-
-        return run(x)
+        return tf.function(_output_and_gradients(call, block), input_signature=[tf.TensorSpec((6, None, 5))])(x)
 
     chunked = Checkpoint(block, row_chunks=3)
     ours = step(lambda x: chunked(x, training=True))
