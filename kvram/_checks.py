@@ -44,3 +44,25 @@ def boolean(name: str, value) -> bool:
             f"of type {type(value).__name__}"
         )
     return value
+
+
+def logical_device(name) -> str:
+    """'CPU:1', '/GPU:0', ... -> the full name of a logical device that exists; TypeError for a
+    name that is not a string, ValueError (listing the devices there are) for one that is not there."""
+    import tensorflow as tf
+
+    if not isinstance(name, str):
+        raise TypeError(f"Devices are names like 'GPU:0'. Received: {name!r}")
+    devices = tf.config.list_logical_devices()
+    wanted = tf.DeviceSpec.from_string(name if name.startswith("/") else f"/device:{name}")
+    for device in devices:
+        spec = tf.DeviceSpec.from_string(device.name)
+        if spec.device_type == (wanted.device_type or "").upper() and spec.device_index == (
+            wanted.device_index or 0
+        ):
+            return device.name
+    raise ValueError(
+        f"Unknown device {name!r}. Logical devices here: {[d.name for d in devices]}. "
+        "(Split one physical device into several with "
+        "tf.config.set_logical_device_configuration.)"
+    )

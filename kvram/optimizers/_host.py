@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from kvram import _checks
 from kvram.optimizers._wrapper import Wrapper, settings_given
 
 # Optimizer state per parameter, in bytes, for Keras's optimizers (their `build`); kvram's
@@ -135,14 +136,12 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
             raise ValueError(f"host must name one of this machine's CPUs. Received: host={host!r}. "
                              f"Allowed: {', '.join(d.name for d in cpus)}")
         if update_device is not None:
-            devices = tf.config.list_logical_devices()
-            wanted = tf.DeviceSpec.from_string(update_device) if isinstance(update_device, str) else None
-            if wanted is None or not any(
-                    (d.device_type, tf.DeviceSpec.from_string(d.name).device_index)
-                    == (wanted.device_type, wanted.device_index or 0) for d in devices):
+            try:
+                _checks.logical_device(update_device)
+            except (TypeError, ValueError):
                 raise ValueError(f"update_device must be None or name one of this machine's devices. Received: "
                                  f"update_device={update_device!r}. Allowed: None, "
-                                 f"{', '.join(d.name for d in devices)}")
+                                 f"{', '.join(d.name for d in tf.config.list_logical_devices())}") from None
         super().__init__(inner_optimizer, name=name or "host_offload")
         self.host = host
         self.update_device = update_device
@@ -236,8 +235,9 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
 
     def _host_update(self, masters, dtypes, whole=True):
         """`grads -> weights`: the inner optimizer's step on `masters`, and each master cast to its
-        weight's dtype; one XLA computation on the host with `jit_compile`. `whole=False`: a run
-        of the weights (`groups`), the step count left as it is."""
+        weight's dtype; one XLA computation on the host with `jit_compile`, TensorFlow ops with
+        `update_device` (the caller places them there). `whole=False`: a run of the weights
+        (`groups`), the step count left as it is."""
         key = (tuple(id(m) for m in masters), dtypes, whole)
         function = self._updates.get(key)
         if function is None:

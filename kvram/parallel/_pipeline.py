@@ -37,25 +37,6 @@ from kvram.parallel._deferred import DeferredKernels
 from kvram.training import Model, _step
 
 
-def _device(name) -> str:
-    """'CPU:1', '/GPU:0', ... -> the full name of a logical device that exists."""
-    if not isinstance(name, str):
-        raise TypeError(f"Devices are names like 'GPU:0'. Received: {name!r}")
-    devices = tf.config.list_logical_devices()
-    wanted = tf.DeviceSpec.from_string(name if name.startswith("/") else f"/device:{name}")
-    for device in devices:
-        spec = tf.DeviceSpec.from_string(device.name)
-        if spec.device_type == (wanted.device_type or "").upper() and spec.device_index == (
-            wanted.device_index or 0
-        ):
-            return device.name
-    raise ValueError(
-        f"Unknown device {name!r}. Logical devices here: {[d.name for d in devices]}. "
-        "(Split one physical device into several with "
-        "tf.config.set_logical_device_configuration.)"
-    )
-
-
 def _variable_device(variable) -> str:
     """The device of a Keras variable or of the tf.Variable behind it (the
     optimizer's update step receives the latter)."""
@@ -139,7 +120,7 @@ class PipelineModel(Model):
                 f"(kvram.parallel.balance splits layers into as many stages as devices). "
                 f"Received: devices={devices}"
             )
-        self.device_names = [_device(d) for d in devices]
+        self.device_names = [_checks.logical_device(d) for d in devices]
         self.micro_batches = _checks.positive_int("micro_batches", micro_batches)
         self.checkpoint = _checks.boolean("checkpoint", checkpoint)
         self.host_swapping = _checks.boolean("host_swapping", host_swapping)
@@ -342,7 +323,7 @@ class PipelineModel(Model):
         for stage, device in zip(config["stages"], config["devices"]):
             # A stage that builds itself while deserialising (a Sequential with
             # an Input) must create its variables on its own device.
-            with tf.device(_device(device)):
+            with tf.device(_checks.logical_device(device)):
                 stages.append(keras.saving.deserialize_keras_object(stage))
         config["stages"] = stages
         return cls(**config)
