@@ -34,6 +34,11 @@ def _adamw(learning_rate=1e-2):
     return optimizer
 
 
+def _inner(name):
+    """A new inner optimizer: "adamw" (_adamw) or "adamw8bit" (8-bit from 64 values, blocks of 64)."""
+    return _adamw() if name == "adamw" else AdamW8bit(1e-2, weight_decay=0.1, min_8bit_size=64, block_size=64)
+
+
 def _device(variable):
     return tf.DeviceSpec.from_string(variable.value.device)
 
@@ -377,13 +382,11 @@ def test_runs_of_weights_updated_one_by_one_equal_one_update(inner):
     and the step count moved once: the weights and the host's state equal one update's (1e-6), with
     weight decay (biases excluded) and per-weight clipping, without the guard (skip_nonfinite=False)."""
     x, y = _data()
-    made = {"adamw": lambda: _adamw(), "adamw8bit": lambda: AdamW8bit(1e-2, weight_decay=0.1, min_8bit_size=64,
-                                                                     block_size=64)}[inner]
     models = []
     for groups in (1, 3):
         with tf.device(DEVICE):
             model = _model(skip_nonfinite=False)
-            optimizer = made()
+            optimizer = _inner(inner)
             optimizer.clipnorm = 1.0
             model.compile(HostOffload(optimizer, groups=groups), "mse")
             model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
@@ -405,13 +408,11 @@ def test_an_update_on_the_device_equals_the_hosts_and_leaves_the_state_on_the_ho
     with weight decay and per-weight clipping; the state stays the host's; in the traced step the
     gradients are not copied to the host and the update's square roots run on the device."""
     x, y = _data()
-    made = {"adamw": lambda: _adamw(), "adamw8bit": lambda: AdamW8bit(1e-2, weight_decay=0.1, min_8bit_size=64,
-                                                                     block_size=64)}[inner]
     models = []
     for where in (None, DEVICE):
         with tf.device(DEVICE):
             model = _model(skip_nonfinite=False)
-            optimizer = made()
+            optimizer = _inner(inner)
             optimizer.clipnorm = 1.0
             model.compile(HostOffload(optimizer, groups=groups, jit_compile=False, update_device=where), "mse")
             model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
