@@ -170,11 +170,8 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     warmup_seconds = times["end"] - times["start"]
     stage(f"warm-up done: {warmup_seconds:.1f} s; timing {steps} steps")
 
-    def peak_gib(device):
-        return gib(device, "peak")
-
     for device in devices:
-        if peak_gib(device) is not None:
+        if gib(device, "peak") is not None:
             tf.config.experimental.reset_memory_stats(device)
     model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
     stage(f"timed steps done: {times['end'] - times['start']:.1f} s")
@@ -185,7 +182,7 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
         "warmup_seconds": warmup_seconds,  # the first steps, compilation included
         "loss": times["loss"],
         "resident_gib": resident,
-        "peak_gib": {d: peak_gib(d) for d in devices},
+        "peak_gib": {d: gib(d, "peak") for d in devices},
         # wall-clock (Unix) seconds of the timed steps: whether processes run side by side overlapped there
         "timed_window": [times["start_epoch_s"], times["end_epoch_s"]],
     }

@@ -84,6 +84,7 @@ def child(name, depth, args):
     from kvram import remat
 
     lean = name in _IN_BACKWARD + _ACCUMULATING
+    on_device = name == "kvram_offload" and args.update_device == "gpu"  # HostOffload(update_device=the GPU)
     keras.config.set_dtype_policy("bfloat16" if name in _IN_BACKWARD + ("kvram_offload",) else "mixed_bfloat16")
     keras.utils.set_random_seed(0)
     shape = _shape(args, depth)
@@ -98,7 +99,6 @@ def child(name, depth, args):
     blocks = [any(n.startswith("transformer_layer") for n in s.layers) for s in chain]
     model = remat.rebuild(model, [[i] for i in range(len(chain))], blocks, row_chunks=args.row_chunks)
     if name in _ACCUMULATING:
-        on_device = name == "kvram_offload" and args.update_device == "gpu"
         # the guard would wait for every gradient
         runs = name == "kvram_offload" and (args.host_groups > 1 or on_device)
         model = kvram.Model(model.input, model.output, host_offload=name == "kvram_offload",
