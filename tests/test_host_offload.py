@@ -457,3 +457,48 @@ def test_the_update_rate_is_measured_on_the_host_whatever_the_default_device():
     XLA update refused to read it, on an H100, 2026-12-06)."""
     with tf.device(DEVICE):
         assert _host.update_rate(keras.optimizers.AdamW(1e-3), 2**12, 1, jit_compile=True) > 0
+
+
+@pytest.mark.parametrize("update_device", [None, DEVICE])
+def test_each_run_reads_its_masters_and_state_after_its_gradients_and_the_run_before(update_device):
+    """With `groups`, a run's masters and state are read (with update_device: copied to that device)
+    only once its gradients are made and the run updated before it has its values: without that,
+    TensorFlow's executor read every run's at the step's start, all of them at once on the device."""
+    with tf.device(DEVICE):
+        model = _model()
+        optimizer = HostOffload(_inner("adamw8bit"), groups=2, jit_compile=False, update_device=update_device)
+        model.compile(optimizer, "mse")
+        weights = model.trainable_variables
+        optimizer.build(weights)
+        gradients = [tf.TensorSpec(w.shape, w.dtype) for w in weights]
+        graph = tf.function(lambda g: optimizer.apply(g, weights)).get_concrete_function(gradients).graph
+    placeholders = graph.inputs[: len(weights)]
+    inside = {id(external): internal for external, internal in graph.captures}
+    runs = [list(run) for run in reversed(_host._runs([int(np.prod(w.shape)) for w in weights], 2))]
+    assert len(runs) == 2
+
+    def ancestors(op):
+        seen, todo = set(), [op]
+        while todo:
+            current = todo.pop()
+            for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+                if parent not in seen:
+                    seen.add(parent)
+                    todo.append(parent)
+        return seen
+
+    def readers(variables):
+        handles = {id(inside[id(v.handle)]) for v in variables if id(v.handle) in inside}
+        return [op for op in graph.get_operations() if op.type == "ReadVariableOp" and id(op.inputs[0]) in handles]
+
+    state = {id(m): [v for v in optimizer.inner_optimizer.variables if m.path.split("/")[-1] in v.path]
+             for m in optimizer.masters}
+    for position, run in enumerate(runs):
+        own = [optimizer.masters[i] for i in run]
+        assert all(state[id(m)] for m in own), state  # each master's moments found by name
+        reads = readers(own + [v for m in own for v in state[id(m)]])
+        assert len(reads) >= 3 * len(own), [op.name for op in reads]
+        earlier = [placeholders[i].op for r in runs[: position + 1] for i in r]  # this run's, and the run before's
+        for op in reads:
+            missing = [p.name for p in earlier if p not in ancestors(op)]
+            assert not missing, (op.name, missing)

@@ -221,12 +221,17 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         masters = [self._master_of[self._var_key(v)] for _, v in pairs]
         whole = self.groups == 1
         runs = [range(len(pairs))] if whole else reversed(_runs([int(np.prod(v.shape)) for _, v in pairs], self.groups))
+        values = []
         for run in runs:
             with tf.device(self.update_device or self.host):
                 # on the host, copies; on update_device, the gradients where they are
                 grads = [pairs[i][0] if self.update_device else _copy(pairs[i][0]) for i in run]
-                values = self._host_update([masters[i] for i in run], tuple(pairs[i][1].dtype for i in run),
-                                           whole=whole)(grads)
+                # Each run's reads of its masters and state wait for its gradients and for the run
+                # before it: without, TensorFlow's executor reads (on update_device: copies there)
+                # every run's at the step's start, all of them at once.
+                with tf.control_dependencies(_made(grads) + values):
+                    values = self._host_update([masters[i] for i in run], tuple(pairs[i][1].dtype for i in run),
+                                               whole=whole)(grads)
             for i, value in zip(run, values):
                 pairs[i][1].assign(value)  # cast where updated: from the host, bfloat16 crosses as 2 bytes
         if not whole:
@@ -351,6 +356,11 @@ def _copy(gradient):
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(tf.identity(gradient.values), tf.identity(gradient.indices), gradient.dense_shape)
     return tf.identity(gradient)
+
+
+def _made(gradients) -> list:
+    """`gradients`' tensors, for a control dependency."""
+    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in gradients]
 
 
 def _float32(gradient):
