@@ -502,3 +502,23 @@ def test_each_run_reads_its_masters_and_state_after_its_gradients_and_the_run_be
         for op in reads:
             missing = [p.name for p in earlier if p not in ancestors(op)]
             assert not missing, (op.name, missing)
+
+
+def test_pinned_host_memory_is_counted_against_tensorflows_pinned_allocator(monkeypatch):
+    """Where host memory is pinned, the masters and state come from TensorFlow's pinned allocator
+    (64 GiB unless TF_GPU_HOST_MEM_LIMIT_IN_MB): a need above it is refused up front, saying what to set."""
+    assert _host.pinned_host_limit({}, pinned=False) is None
+    assert _host.pinned_host_limit({}, pinned=True) == 64 * 2**30
+    assert _host.pinned_host_limit({"TF_GPU_HOST_MEM_LIMIT_IN_MB": "100000"}, pinned=True) == 100000 * 2**20
+    assert _host.pinned_host_limit({"TF_GPU_HOST_MEM_LIMIT_IN_MB": "many"}, pinned=True) == 64 * 2**30
+    assert _host.pinned_host_limit() is None  # no GPU here
+    model = _model()
+    need, _ = HostOffload(keras.optimizers.Adam()).required_host_bytes(model.trainable_variables)
+    monkeypatch.setattr(_host, "pinned_host_limit", lambda: need - 1)
+    with pytest.raises(MemoryError, match=r"pinned allocator holds at most 0\.00 GiB \(TF_GPU_HOST_MEM_LIMIT_IN_MB, "
+                                          r"64 GiB unless set\)\. Nothing was allocated\. Set TF_GPU_HOST_MEM_LIMIT_IN_MB "
+                                          r"\(MiB\) above 1, .*KVRAM_PIN_HOST_MEMORY=0") as e:
+        HostOffload(keras.optimizers.Adam()).build(model.trainable_variables)
+    assert f"{model.count_params():,} parameters" in str(e.value)
+    monkeypatch.setattr(_host, "pinned_host_limit", lambda: need)
+    HostOffload(keras.optimizers.Adam()).build(model.trainable_variables)  # exactly enough

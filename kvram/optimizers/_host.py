@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+import os
 import time
 
 import keras
@@ -47,6 +48,31 @@ def available_host_bytes() -> int | None:
     return None
 
 
+# TensorFlow's pinned host allocator (gpu_process_state.cc) holds at most this many MiB unless
+# TF_GPU_HOST_MEM_LIMIT_IN_MB, read once as its runtime starts, says otherwise.
+_PINNED_ENV, _PINNED_DEFAULT_MIB = "TF_GPU_HOST_MEM_LIMIT_IN_MB", 1 << 16
+
+
+def pinned_host_limit(environ=None, pinned=None) -> int | None:
+    """Bytes TensorFlow's host tensors may take where they are pinned (`kvram.speed.pin_host_memory`,
+    which `import kvram` applies where there is a GPU): they then come from TensorFlow's pinned host
+    allocator, 64 GiB unless TF_GPU_HOST_MEM_LIMIT_IN_MB says otherwise. None where host memory is
+    not pinned (or no GPU is seen: the option then does nothing). The arguments stand in for the
+    process's own state in tests."""
+    if pinned is None:
+        from kvram import speed
+
+        pinned = speed.host_memory_pinned() and bool(tf.config.list_physical_devices("GPU"))
+    if not pinned:
+        return None
+    environ = os.environ if environ is None else environ
+    try:
+        mib = int(environ.get(_PINNED_ENV, _PINNED_DEFAULT_MIB))
+    except ValueError:
+        mib = _PINNED_DEFAULT_MIB  # TensorFlow logs the error and keeps its default
+    return mib << 20
+
+
 def _state_bytes(optimizer, shapes) -> tuple[int, bool]:
     """(bytes of `optimizer`'s state for variables of `shapes`, whether it is known exactly)."""
     counter = getattr(optimizer, "state_bytes", None)
@@ -78,7 +104,10 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     computation `apply` refuses, saying so).
 
     `build` refuses, before it allocates anything, a host whose free memory (Linux's
-    MemAvailable) is smaller than the masters and the state, with both numbers. The masters and
+    MemAvailable) is smaller than the masters and the state, with both numbers; and, where host
+    memory is pinned (`kvram.speed.pin_host_memory`, which `import kvram` applies where there is a
+    GPU), a need above TensorFlow's pinned allocator's limit (64 GiB unless
+    TF_GPU_HOST_MEM_LIMIT_IN_MB is set before TensorFlow starts), saying what to set. The masters and
     the state are the optimizer's variables: `model.save` and TensorFlow checkpoints keep them,
     and loading puts them back bit for bit.
 
@@ -167,17 +196,23 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
 
     def _check_host(self, var_list) -> None:
         masters, copies, state, exact = self._host_parts(var_list)
-        need, free = masters + copies + state, available_host_bytes()
-        if free is None or need <= free:
-            return
+        need, free, pinned = masters + copies + state, available_host_bytes(), pinned_host_limit()
         how = "" if exact else f", counted as Adam's {_ASSUMED} bytes per parameter"
         name = type(self.inner_optimizer).__name__
-        raise MemoryError(
-            f"HostOffload needs {_gib(need)} of host memory for {masters // 4:,} parameters: float32 master weights "
-            f"({_gib(masters)}), a step's gradients ({_gib(copies)}) and {name}'s state "
-            f"({_gib(state)}{how}); the host has {_gib(free)} free (MemAvailable). Nothing was "
-            "allocated. Free host memory, use a smaller state (kvram.optimizers.AdamW8bit: about 2 bytes per "
-            "parameter), or train fewer weights.")
+        what = (f"HostOffload needs {_gib(need)} of host memory for {masters // 4:,} parameters: float32 master "
+                f"weights ({_gib(masters)}), a step's gradients ({_gib(copies)}) and {name}'s state "
+                f"({_gib(state)}{how}); ")
+        if free is not None and need > free:
+            raise MemoryError(
+                f"{what}the host has {_gib(free)} free (MemAvailable). Nothing was allocated. Free host memory, use "
+                "a smaller state (kvram.optimizers.AdamW8bit: about 2 bytes per parameter), or train fewer weights.")
+        if pinned is not None and need > pinned:
+            raise MemoryError(
+                f"{what}host memory is pinned (kvram.speed.pin_host_memory) and TensorFlow's pinned allocator "
+                f"holds at most {_gib(pinned)} ({_PINNED_ENV}, 64 GiB unless set). Nothing was allocated. Set "
+                f"{_PINNED_ENV} (MiB) above {-(-need // 2**20)}, with room for the program's other host tensors, "
+                "before TensorFlow starts (its first operation), or KVRAM_PIN_HOST_MEMORY=0 (pageable host memory: "
+                "slower copies).")
 
     @keras.src.utils.tracking.no_automatic_dependency_tracking
     def build(self, var_list):
