@@ -324,3 +324,12 @@ def limit_bytes(device: str | None = None) -> int | None:
         return entries[index][1]
     monitor = MemoryMonitor(name)
     return monitor.snapshot()["nvml_total_bytes"]
+
+
+def _host_memory_pinned() -> bool:
+    """Whether TensorFlow's runtime allocates host tensors pinned (`kvram.speed.pin_host_memory`:
+    its `force_gpu_compatible` option), here where kvram.optimizers can read it too."""
+    from tensorflow.python.eager import context
+
+    config = context.context()._config
+    return bool(config is not None and config.gpu_options.force_gpu_compatible)

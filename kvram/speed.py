@@ -125,10 +125,9 @@ def pins_by_default(environ=None, gpus=None, started=None) -> bool:
 
 def host_memory_pinned() -> bool:
     """Whether `pin_host_memory()` is in effect in this process."""
-    from tensorflow.python.eager import context
+    from kvram import memory
 
-    config = context.context()._config
-    return bool(config is not None and config.gpu_options.force_gpu_compatible)
+    return memory._host_memory_pinned()
 
 
 def fuse_batch_norm(model: keras.layers.Layer) -> int:

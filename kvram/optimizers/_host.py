@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from kvram import _checks
+from kvram import _checks, memory
 from kvram.optimizers._wrapper import Wrapper, settings_given
 
 # Optimizer state per parameter, in bytes, for Keras's optimizers (their `build`); kvram's
@@ -60,9 +60,7 @@ def pinned_host_limit(environ=None, pinned=None) -> int | None:
     not pinned (or no GPU is seen: the option then does nothing). The arguments stand in for the
     process's own state in tests."""
     if pinned is None:
-        from kvram import speed
-
-        pinned = speed.host_memory_pinned() and bool(tf.config.list_physical_devices("GPU"))
+        pinned = memory._host_memory_pinned() and bool(tf.config.list_physical_devices("GPU"))
     if not pinned:
         return None
     environ = os.environ if environ is None else environ
