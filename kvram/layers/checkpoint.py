@@ -227,8 +227,7 @@ class Checkpoint(keras.layers.Layer):
                     f"row_chunks slices every input of the block along its rows, so each must have the same first "
                     f"dimension. Received inputs of shapes {[tuple(t.shape) for t in inputs]} for "
                     f"row_chunks={self.row_chunks}.")
-            compiling = getattr(_compiling, "on", False)
-            known = inputs[0].shape[0] is not None
+            compiling, known = getattr(_compiling, "on", False), inputs[0].shape[0] is not None
             # rows known: each pass over the slices one XLA computation; unknown: the block, its slices
             # and their sums one XLA computation
             chunked = _row_chunked(forward, self.row_chunks, n_in, state, compiled=compiling and known)
