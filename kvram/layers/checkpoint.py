@@ -325,12 +325,14 @@ def _row_chunked(forward, chunks: int, n_in: int, state, compiled: bool = False)
         """A TensorArray of equal slices as one tensor of their rows, in order."""
         return tf.reshape(array.stack(), tf.concat([[-1], tf.shape(like)[1:]], 0))
 
+    def layout(inputs):  # (size, full, rest): `full` slices of `size` rows, then one of `rest`
+        size = -(-inputs[0].shape[0] // chunks)
+        return (size, *divmod(inputs[0].shape[0], size))
+
     def forward_pass(inputs, values):
         """(the block's outputs over every slice, each equal slice's starting state, stacked, and the
         last slice's)."""
-        rows = inputs[0].shape[0]
-        size = -(-rows // chunks)
-        full, rest = rows // size, rows % size  # `full` slices of `size` rows, then one of `rest`
+        size, full, rest = layout(inputs)
         # the first slice written out: its outputs give the loop's the structure
         outputs = forward(*piece(inputs, 0, size), *values)
         flat = tree.flatten(outputs)
@@ -357,9 +359,7 @@ def _row_chunked(forward, chunks: int, n_in: int, state, compiled: bool = False)
     def backward_pass(inputs, dys, starts, last_start, variables, reached):
         """(the inputs' gradients, the variables' float32 gradient sums) over every slice, each
         slice recomputed once the gradients `dys` of the outputs `reached` arrive."""
-        rows = inputs[0].shape[0]
-        size = -(-rows // chunks)
-        full, rest = rows // size, rows % size
+        size, full, rest = layout(inputs)
         order = zero_from(dys[0])  # recomputed once the gradient arrives
         floating = [i for i, t in enumerate(inputs) if t.dtype.is_floating]
         sums = [tf.zeros(v.shape, tf.float32) for v in variables]
