@@ -156,19 +156,13 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                 raise ValueError(f"HostOffload(groups={groups}) updates each run of weights from its own gradients, "
                                  f"so it cannot wrap an optimizer with {', '.join(given)}, which needs every gradient "
                                  "at once. Allowed: groups=1, or clipnorm/clipvalue (per weight).")
-        cpus = tf.config.list_logical_devices("CPU")
-        spec = tf.DeviceSpec.from_string(host)
-        if spec.device_type != "CPU" or not any(
-                tf.DeviceSpec.from_string(d.name).device_index == (spec.device_index or 0) for d in cpus):
+        if _named_device(host, "CPU") is None:
             raise ValueError(f"host must name one of this machine's CPUs. Received: host={host!r}. "
-                             f"Allowed: {', '.join(d.name for d in cpus)}")
-        if update_device is not None:
-            try:
-                _checks.logical_device(update_device)
-            except (TypeError, ValueError):
-                raise ValueError(f"update_device must be None or name one of this machine's devices. Received: "
-                                 f"update_device={update_device!r}. Allowed: None, "
-                                 f"{', '.join(d.name for d in tf.config.list_logical_devices())}") from None
+                             f"Allowed: {', '.join(d.name for d in tf.config.list_logical_devices('CPU'))}")
+        if update_device is not None and _named_device(update_device) is None:
+            raise ValueError(f"update_device must be None or name one of this machine's devices. Received: "
+                             f"update_device={update_device!r}. Allowed: None, "
+                             f"{', '.join(d.name for d in tf.config.list_logical_devices())}")
         super().__init__(inner_optimizer, name=name or "host_offload")
         self.host = host
         self.update_device = update_device
@@ -324,6 +318,16 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     def get_config(self):
         return {**super().get_config(), "host": self.host, "jit_compile": self.jit_compile, "groups": self.groups,
                 "update_device": self.update_device}
+
+
+def _named_device(name, device_type=None) -> str | None:
+    """The logical device `name` names (`kvram._checks.logical_device`), or None where this machine
+    has none (of `device_type`, where given)."""
+    try:
+        found = _checks.logical_device(name)
+    except (TypeError, ValueError):
+        return None
+    return found if device_type in (None, tf.DeviceSpec.from_string(found).device_type) else None
 
 
 def _runs(sizes, groups: int) -> list:
