@@ -273,8 +273,61 @@ def run_child(command, timeout=None, env=None, cwd=None) -> tuple[list, str | No
         return [], "\n".join([f"timed out after {timeout} s", *stage_lines(stderr)[-5:]]), stderr
     records = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
                if re.match(r"(\[worker \d+\] )?RESULT ", line)]
+    if proc.returncode < 0:  # ended by a signal: its output's tail says nothing of that
+        return records, "\n".join([_killed(proc.returncode), *stage_lines(proc.stderr)[-5:],
+                                   (proc.stderr or proc.stdout)[-2000:]]), proc.stderr
     failed = proc.returncode or not records
     return records, (proc.stderr or proc.stdout)[-3000:] if failed else None, proc.stderr
+
+
+def _killed(returncode: int) -> str:
+    import signal
+
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    why = " (on Linux, often the kernel's out-of-memory killer: see host_available_least_gib)" \
+        if name == "SIGKILL" else ""
+    return f"killed by {name} (exit {returncode}){why}"
+
+
+class HostMemoryWatch:
+    """The least memory the host had available (Linux's MemAvailable) while the `with` block ran,
+    read every `interval` seconds from a thread: where a child was killed for want of host memory,
+    how close the host came. `least_gib` is None where /proc/meminfo is not read."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval, self.least_gib = interval, None
+
+    def _sample(self):
+        # read here, not through kvram.optimizers._host.available_host_bytes: importing kvram
+        # imports TensorFlow, which a suite's parent process does not
+        try:
+            with open("/proc/meminfo") as f:
+                kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration):
+            return
+        gib = kib / 2**20
+        self.least_gib = gib if self.least_gib is None else min(self.least_gib, gib)
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self):
+        import threading
+
+        self._stop = threading.Event()
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="host-memory-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._sample()
 
 
 def run_children(script: str, names, args, describe, timeout=None, environment=None, each=None) -> dict:

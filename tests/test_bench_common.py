@@ -26,6 +26,47 @@ def test_run_child_says_why_a_child_failed_or_printed_no_record():
     assert records == [] and error == "timed out after 3 s\n[    1.5 s] compiled" and "noise" in stderr
 
 
+def test_run_child_says_a_child_was_killed_by_a_signal():
+    # SIGKILL, as the kernel's out-of-memory killer sends: the child's last line (a warning, say) is no reason
+    script = ("import os, signal, sys; print('[    2.0 s] warm-up', file=sys.stderr); "
+              "print('UserWarning: unrelated', file=sys.stderr, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    records, error, stderr = run_child([sys.executable, "-c", script])
+    assert records == [] and error.startswith("killed by SIGKILL (exit -9) (on Linux, often the kernel's "
+                                              "out-of-memory killer"), error
+    assert "[    2.0 s] warm-up" in error and "UserWarning: unrelated" in stderr
+    records, error, _ = run_child([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"])
+    assert records == [] and error.startswith("killed by SIGTERM (exit -15)\n"), error
+
+
+def test_host_memory_watch_keeps_the_least_available_memory_it_read(monkeypatch):
+    import builtins
+    import io
+    import threading
+
+    from benchmarks.common import HostMemoryWatch
+
+    readings = [8, 6, 3, 5]  # GiB available, one per read of /proc/meminfo; 9 after them
+    read = threading.Semaphore(0)
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/meminfo":
+            gib = readings.pop(0) if readings else 9
+            read.release()
+            return io.StringIO(f"MemTotal: 100 kB\nMemAvailable: {gib * 2**20} kB\n")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    with HostMemoryWatch(interval=0.001) as watch:
+        for _ in range(5):  # the read on entering and four of the thread's
+            read.acquire()
+    assert watch.least_gib == 3
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    with HostMemoryWatch(interval=0.001) as unknown:
+        pass
+    assert unknown.least_gib is None
+
+
 def test_without_options_drops_the_options_and_their_values():
     assert without_options(["--out", "x.json", "--steps", "3", "--only=a", "--only", "b"], ("--out", "--only")) == [
         "--steps", "3"]

@@ -41,8 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
-    cap_first_gpu, child_result, gpu_name, result_header, run_child, set_kvram_switches, stage_lines, versions,
-    without_options, write_result,
+    HostMemoryWatch, cap_first_gpu, child_result, gpu_name, result_header, run_child, set_kvram_switches, stage_lines,
+    versions, without_options, write_result,
 )
 
 CONFIGS = {
@@ -145,7 +145,7 @@ def child(name, depth, args):
 
 
 def _first_error_line(text: str) -> str:
-    for marker in ("timed out after", "ResourceExhaustedError", "Out of memory", "OOM", "Error"):
+    for marker in ("killed by SIG", "timed out after", "ResourceExhaustedError", "Out of memory", "OOM", "Error"):
         for line in text.splitlines():
             if marker in line:
                 return line.strip()[:400]
@@ -257,13 +257,15 @@ def main():
     runs = []
     for name, depth in _runs(args.runs):
         started = time.perf_counter()
-        records, error, stderr = run_child([sys.executable, __file__, *forwarded, "--child", f"{name}:{depth}"],
-                                           args.timeout)
+        with HostMemoryWatch() as host:
+            records, error, stderr = run_child([sys.executable, __file__, *forwarded, "--child", f"{name}:{depth}"],
+                                               args.timeout)
         # the first error line can be a bare C++ frame (XLA's status macros): the tail says what the error was
         run = {"trained": False, "error": _first_error_line(error), "error_tail": _error_tail(error)} if error \
             else records[-1]
         # how far it got, and the memory in use before its first step (timed_fit's stage lines)
-        run.update(config=name, depth=depth, wall_s=time.perf_counter() - started, stages=stage_lines(stderr))
+        run.update(config=name, depth=depth, wall_s=time.perf_counter() - started, stages=stage_lines(stderr),
+                   host_available_least_gib=host.least_gib)
         runs.append(run)
         text = (f"{run['parameters'] / 1e9:.2f} B parameters, {run['tokens_per_s']:.0f} tokens/s, "
                 f"MFU {run['mfu']:.1%}, peak {run['peak_gib']} GiB" if run["trained"] else f"did not train: {run['error']}")
