@@ -1,26 +1,12 @@
 import contextlib
-import fcntl
 import gc
 import os
-import shutil
-import tempfile
-
-# Under pytest-xdist (`-n 2`) each worker is a process of its own; the folder of the
-# lock files that keep a test marked alone from running beside another worker's test.
-_LOCKS = "KVRAM_TEST_LOCKS"
 
 
 def _worker() -> bool:
+    """Whether this process is a pytest-xdist worker (`-n 2`: each a process of its own)."""
     return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
-
-# A pytest-xdist worker's start-up (importing TensorFlow, collecting) counts as a test for the
-# tests marked alone (`_alone_across_workers`): until its collection ends it holds the shared lock
-# those wait on, so that the first of them, first in the suite, does not run beside it.
-_STARTING = []
-if _worker() and os.environ.get(_LOCKS):
-    _STARTING.append(open(os.path.join(os.environ[_LOCKS], "held"), "a"))
-    fcntl.flock(_STARTING[0], fcntl.LOCK_SH)
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -89,14 +75,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
         if "multi_gpu" in item.keywords and _GPUS < 2:
             item.add_marker(pytest.mark.skip(reason="needs two GPUs"))
-    # The tests marked alone go first: their children then run before the
-    # own_process children start (pytest_collection_finish), where each would
-    # wait for the running child to end (helpers._Ahead.quiet) while the suite
-    # stood still: 930 s of a 3413-s clean-clone suite on 2 cores.
-    # Then the longest, so that neither worker ends the suite running one of them alone (GPT-2's
+    # The longest first, so that neither worker ends the suite running one of them alone (GPT-2's
     # planned-transformer test, 55 s, last in the suite's order, ended a clean-clone run 13 s after
     # the other worker's last test).
-    items.sort(key=lambda item: (not _alone(item), item.get_closest_marker("longest") is None))  # stable
+    items.sort(key=lambda item: item.get_closest_marker("longest") is None)  # stable
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -123,55 +105,6 @@ def pytest_xdist_auto_num_workers(config):
     return 0 if cores < 2 or _GPUS else 2
 
 
-_MADE_LOCKS = []  # the folder this process made (pytest-xdist's controller), which it removes
-
-
-def pytest_configure(config):
-    if not _worker() and getattr(config.option, "numprocesses", None):
-        # the workers start after this and inherit the environment
-        os.environ[_LOCKS] = tempfile.mkdtemp(prefix="kvram-tests-")
-        _MADE_LOCKS.append(os.environ[_LOCKS])
-
-
-def pytest_unconfigure(config):
-    # Only the process that made it: an own_process child of a worker inherits the variable
-    # (and is no worker itself), and removed the folder under the workers once.
-    for folder in _MADE_LOCKS:
-        shutil.rmtree(folder, ignore_errors=True)
-        os.environ.pop(_LOCKS, None)
-    _MADE_LOCKS.clear()
-
-
-@pytest.fixture(autouse=True)
-def _alone_across_workers(request):
-    """Under pytest-xdist, a test marked alone runs while no other worker runs a
-    test, and every other test holds the others' alone tests off: a shared lock
-    on one file for each test, an exclusive one for an alone test. A second
-    file is the gate an alone test holds while it waits for the shared locks
-    to go, so that no worker starts a new test meanwhile (flock alone does not
-    favour the waiting exclusive lock)."""
-    folder = os.environ.get(_LOCKS) if _worker() else None
-    if not folder:
-        yield
-        return
-    alone = request.node.get_closest_marker("alone") is not None
-    with contextlib.ExitStack() as stack:
-        gate = stack.enter_context(open(os.path.join(folder, "gate"), "a"))
-        held = stack.enter_context(open(os.path.join(folder, "held"), "a"))
-        fcntl.flock(gate, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        yield  # closing the files releases their locks
-
-
-def _alone(item) -> bool:
-    return item.get_closest_marker("alone") is not None and item.get_closest_marker("skip") is None
-
-
-_ALONE_LEFT = set()
-
-
 @pytest.fixture(scope="session")
 def mirrored():
     """One MirroredStrategy over the two logical CPUs, shared by the tests.
@@ -190,14 +123,10 @@ def mirrored():
 
 def pytest_collection_finish(session):
     """Starts the children of the tests marked own_process ahead, beside the
-    rest of the suite (tests/helpers.py, _Ahead), in the suite's order, once
-    the tests marked alone (first in the suite) have run: a test the suite
-    reaches while its child is still queued waits for the running child and
-    then runs alone, so one early in the suite goes first (the plan families,
-    last, are in their longest-first order)."""
-    for started in _STARTING:  # this worker's start-up is over (see _STARTING)
-        started.close()
-    _STARTING.clear()
+    rest of the suite (tests/helpers.py, _Ahead), in the suite's order: a test
+    the suite reaches while its child is still queued waits for the running
+    child and then runs alone, so one early in the suite goes first (the plan
+    families, last, are in their longest-first order)."""
     if os.environ.get("KVRAM_TEST_ISOLATED") or session.config.option.collectonly:
         return
     if _worker():  # each worker runs its children in its turn: two workers already fill two cores
@@ -209,19 +138,8 @@ def pytest_collection_finish(session):
         for item in session.items
         if item.get_closest_marker("own_process") is not None and not item.get_closest_marker("skip")
     ]
-    _ALONE_LEFT.update(item.nodeid for item in session.items if _alone(item))
     if marked:
-        AHEAD.start(marked, held=bool(_ALONE_LEFT))
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    """After the last test marked alone, the own_process children start."""
-    if nodeid in _ALONE_LEFT:
-        _ALONE_LEFT.discard(nodeid)
-        if not _ALONE_LEFT:
-            from tests.helpers import AHEAD
-
-            AHEAD.release()
+        AHEAD.start(marked)
 
 
 def pytest_sessionfinish(session):

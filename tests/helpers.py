@@ -256,15 +256,13 @@ class _Ahead:
     def __init__(self):
         # processes: the running children's, by node id
         self.queue, self.results, self.processes, self.paused = [], {}, {}, 0
-        self.held, self.waiting = False, 0
+        self.waiting = 0
         self.changed = threading.Condition()
 
-    def start(self, nodeids, held: bool = False):
-        """Queues the children; held: none starts before `release()`."""
+    def start(self, nodeids):
+        """Queues the children and starts them."""
         with self.changed:
             self.queue = list(nodeids)
-            self.held = held
-            self.paused += held
         for lane in range(self.LANES):
             threading.Thread(target=self._work, name=f"kvram-tests-ahead-{lane}", daemon=True).start()
 
@@ -284,12 +282,6 @@ class _Ahead:
             with self.changed:
                 self.results[nodeid] = result
                 del self.processes[nodeid]
-                self.changed.notify_all()
-
-    def release(self):
-        with self.changed:
-            if self.held:
-                self.held, self.paused = False, self.paused - 1
                 self.changed.notify_all()
 
     def take(self, nodeid):
