@@ -264,8 +264,8 @@ def run_child(command, timeout=None, env=None, cwd=None) -> tuple[list, str | No
     """Runs `command`, a suite's child process. Returns the JSON records it printed (each on
     a line that starts with `RESULT `, or with `[worker I] RESULT ` under `kvram launch`), why it failed
     (None where it exited 0 with a record; else its output's tail, or the time limit it ran
-    past followed by the last stage lines it printed), and its stderr (so far, where it ran
-    past the limit)."""
+    past followed by the last stage lines it printed, or the signal that ended it followed by
+    those lines and the tail), and its stderr (so far, where it ran past the limit)."""
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     except subprocess.TimeoutExpired as e:
@@ -287,8 +287,7 @@ def _killed(returncode: int) -> str:
         name = signal.Signals(-returncode).name
     except ValueError:
         name = f"signal {-returncode}"
-    why = " (on Linux, often the kernel's out-of-memory killer: see host_available_least_gib)" \
-        if name == "SIGKILL" else ""
+    why = " (on Linux, often the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
     return f"killed by {name} (exit {returncode}){why}"
 
 
