@@ -433,6 +433,33 @@ def test_an_update_on_the_device_equals_the_hosts_and_leaves_the_state_on_the_ho
         assert roots == {index}, (model.optimizer.update_device, roots)
 
 
+def test_an_update_on_the_device_reads_each_master_three_times_and_writes_it_twice():
+    """What HostOffload's docstring and the training guide say crosses between host and device per
+    update with `update_device` and AdamW8bit: each master read three times (weight decay, the step,
+    the cast to the weight) and written twice (decay, step), each 8-bit state tensor read and written
+    once: 24 bytes per parameter. Counted as the reads and writes of each host variable in the traced
+    update. Fewer is better: a change that lowers them updates the docs and this test."""
+    with tf.device(DEVICE):
+        weights = [keras.Variable(np.ones((64, 128), "float32"), dtype="bfloat16", name=f"w{i}") for i in range(2)]
+        grads = [tf.ones_like(w) for w in weights]
+    optimizer = HostOffload(AdamW8bit(1e-3, min_8bit_size=0), update_device=DEVICE, groups=2)
+    optimizer.build(weights)
+    graph = tf.function(lambda g: optimizer.apply(g, weights)).get_concrete_function(grads).graph
+    path = {id(internal): v.path for external, internal in graph.captures for v in optimizer.variables
+            if v.value.handle is external}
+    counts = {}
+    for op in graph.get_operations():
+        kind = "read" if op.type == "ReadVariableOp" else "write" if op.type.startswith("Assign") else None
+        if kind and id(op.inputs[0]) in path:
+            key = (path[id(op.inputs[0])].split("/")[-1].replace("host_offload_", ""), kind)
+            counts[key] = counts.get(key, 0) + 1
+    for i in range(2):
+        assert counts[(f"w{i}_master", "read")] == 3 and counts[(f"w{i}_master", "write")] == 2, counts
+        for state in ("momentum_codes", "momentum_scales", "velocity_codes", "velocity_scales"):
+            assert counts[(f"w{i}_master_{state}", "read")] == 1, counts
+            assert counts[(f"w{i}_master_{state}", "write")] == 1, counts
+
+
 def test_an_update_device_that_is_not_there_is_refused():
     for bad in ("/GPU:7", "/CPU:9", 3):
         with pytest.raises(ValueError, match=f"update_device must be None or name one of this machine's devices. "
