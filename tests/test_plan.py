@@ -337,8 +337,9 @@ def test_cli_plan_limit_gpu_says_when_there_is_no_gpu():
 
 
 @pytest.mark.slow
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
 def test_estimate_checks_under_xla_and_training_confirms_it(request):
-    # Beside the rest of the suite, as the next test: with two busy-looping processes beside them
+    # Beside the rest of the suite, as the next test is: with two busy-looping processes beside them
     # both passed six runs of six on 2 cores (2026-12-07)
     if in_own_process(request):  # fit()'s peak, measured in a process of its own
         return
@@ -375,6 +376,7 @@ def test_estimate_checks_under_xla_and_training_confirms_it(request):
 
 
 @pytest.mark.slow
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
 def test_estimate_extrapolates_xla_checks_from_the_probes(request):
     # XLA-compiled steps at 8, 16 and 32 rows, extrapolated to 64: the plain
     # step's peak grows in proportion to the rows (8.0, 16.0, 32.0 MiB). In a
