@@ -433,12 +433,13 @@ def test_an_update_on_the_device_equals_the_hosts_and_leaves_the_state_on_the_ho
         assert roots == {index}, (model.optimizer.update_device, roots)
 
 
-def test_an_update_on_the_device_reads_each_master_three_times_and_writes_it_twice():
+def test_an_update_on_the_device_reads_each_master_twice_and_writes_it_twice():
     """What HostOffload's docstring and the training guide say crosses between host and device per
-    update with `update_device` and AdamW8bit: each master read three times (weight decay, the step,
-    the cast to the weight) and written twice (decay, step), each 8-bit state tensor read and written
-    once: 24 bytes per parameter. Counted as the reads and writes of each host variable in the traced
-    update. Fewer is better: a change that lowers them updates the docs and this test."""
+    update with `update_device` and AdamW8bit: each master read twice (weight decay, the cast to the
+    weight) and written twice (decay, step), each 8-bit state tensor read and written once: 20 bytes
+    per parameter. Counted as the reads and writes of each host variable in the traced update (the
+    partition graphs TensorFlow ran had as many reads of the masters). Fewer is better: a change that
+    lowers them updates the docs and this test."""
     with tf.device(DEVICE):
         weights = [keras.Variable(np.ones((64, 128), "float32"), dtype="bfloat16", name=f"w{i}") for i in range(2)]
         grads = [tf.ones_like(w) for w in weights]
@@ -454,7 +455,7 @@ def test_an_update_on_the_device_reads_each_master_three_times_and_writes_it_twi
             key = (path[id(op.inputs[0])].split("/")[-1].replace("host_offload_", ""), kind)
             counts[key] = counts.get(key, 0) + 1
     for i in range(2):
-        assert counts[(f"w{i}_master", "read")] == 3 and counts[(f"w{i}_master", "write")] == 2, counts
+        assert counts[(f"w{i}_master", "read")] == 2 and counts[(f"w{i}_master", "write")] == 2, counts
         for state in ("momentum_codes", "momentum_scales", "velocity_codes", "velocity_scales"):
             assert counts[(f"w{i}_master_{state}", "read")] == 1, counts
             assert counts[(f"w{i}_master_{state}", "write")] == 1, counts

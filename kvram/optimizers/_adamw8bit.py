@@ -182,7 +182,9 @@ class AdamW8bit(keras.optimizers.AdamW):
         gradient = tf.convert_to_tensor(gradient)
         # read after the gradient exists: nothing here depends on it, and a scheduler free to run
         # the reads early (XLA's, TensorFlow's executor) holds every weight's float32 state at once
-        reads = {"state": tf.nest.flatten(state), "weight": variable, "step": self.iterations}
+        reads = {"state": tf.nest.flatten(state), "step": self.iterations}
+        if self._rounded(variable):  # the weight itself is read only to round its update into it
+            reads["weight"] = variable
         if self._compensations[index] is not None:
             reads["compensation"] = self._compensations[index]
         read = _after(gradient, reads)

@@ -127,8 +127,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     With `update_device` (a GPU), the update's arithmetic runs there instead, as TensorFlow ops: the
     gradients stay on the device, the masters and the state stay the host's variables, each read is
     copied to the device and each write copied back, and the weights are cast there. The host's
-    cores then compute nothing; with `AdamW8bit` each update reads each master three times (weight
-    decay, the step, the cast) and writes it twice, and reads and writes the state once: 24 bytes per
+    cores then compute nothing; with `AdamW8bit` each update reads each master twice (weight decay,
+    the cast) and writes it twice (decay, the step), and reads and writes the state once: 20 bytes per
     parameter cross (`tests/test_host_offload.py`); with `groups`, one run's at a time. Where the host's
     cores are the bound: a 16-core host updated 8 B parameters in 16.2 s with `AdamW8bit` and 6.2 s
     with `AdamW` (benchmarks/results/optimizers_host_update_threads_h100.json). On an H100 machine a
