@@ -183,7 +183,8 @@ class AdamW8bit(keras.optimizers.AdamW):
         # read after the gradient exists: nothing here depends on it, and a scheduler free to run
         # the reads early (XLA's, TensorFlow's executor) holds every weight's float32 state at once
         reads = {"state": tf.nest.flatten(state), "step": self.iterations}
-        if self._rounded(variable):  # the weight itself is read only to round its update into it
+        rounded = self._rounded(variable)
+        if rounded:  # the weight itself is read only to round its update into it
             reads["weight"] = variable
         if self._compensations[index] is not None:
             reads["compensation"] = self._compensations[index]
@@ -207,7 +208,7 @@ class AdamW8bit(keras.optimizers.AdamW):
         else:
             v = v + (tf.square(gradient) - v) * (1 - beta_2)
         update = m * alpha / (tf.sqrt(v) + self.epsilon)
-        if self._rounded(variable):
+        if rounded:
             self._assign_rounded(variable, index, read, update, lr)
         else:
             self.assign_sub(variable, tf.cast(update, dtype))
