@@ -68,6 +68,16 @@ def _shape(args, depth) -> dict:
                 num_key_value_heads=args.kv_heads, hidden_dim=args.hidden, intermediate_dim=args.intermediate)
 
 
+def _steps_per_execution(value: str):
+    """--steps-per-execution: "default" (kvram.Model's "auto", up to 16 steps; plain Keras's 1) or a
+    whole number of 1 or more."""
+    if value == "default":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f'takes "default" or a whole number of 1 or more, not {value!r}')
+    return int(value)
+
+
 def child(name, depth, args):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     set_kvram_switches({"plain": name == "keras_adamw"})  # Keras's run without kvram's XLA flags and pinning
@@ -116,7 +126,8 @@ def child(name, depth, args):
     else:
         optimizer = keras.optimizers.AdamW(1e-4, weight_decay=0.01)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=True)
+                  jit_compile=True,
+                  **({} if args.steps_per_execution == "default" else {"steps_per_execution": args.steps_per_execution}))
     if lean:
         kvram.speed.fused_cross_entropy(model)
     rng = np.random.default_rng(0)
@@ -238,6 +249,9 @@ def main():
                              "the skip), 0 applies every step as Keras does (the default)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps-per-execution", type=_steps_per_execution, default="default",
+                        help="compile's steps_per_execution: \"default\" (kvram.Model's \"auto\", up to 16 steps, "
+                             "to which --steps and --warmup round up; Keras's 1) or N: 1 for a step of seconds")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 TFLOP/s, for MFU")
     parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0 for a smoke run: no cap)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
