@@ -48,6 +48,43 @@ def test_linear_cross_entropy_equals_keras_in_float32(transposed, with_bias, chu
     assert max_rel_diff(theirs, jitted) < 1e-5
 
 
+@pytest.mark.parametrize("transposed,with_bias", [(False, True), (True, False)])
+def test_in_a_step_whose_blocks_compile_alone_the_loop_and_scaling_are_xla_computations(transposed, with_bias):
+    """Within `compiled_blocks()` (host_offload's step, in TensorFlow's executor), the chunk loop and
+    the gradients' scaling are XLA computations of their own, called from the step's graph, so that
+    the products take the kernel in its own dtype (as TensorFlow ops they ran on a float32 copy of
+    it: Llama-3-8B's head ran a 24 GiB GPU out of memory there); values and gradients equal the
+    same call outside it within 1e-5 (float32)."""
+    from kvram.layers import checkpoint
+
+    rng = np.random.default_rng(1)
+    hidden = tf.Variable(rng.standard_normal((2, 9, 16)), dtype=tf.float32)
+    kernel = tf.Variable(rng.standard_normal((40, 16) if transposed else (16, 40)) * 0.3, dtype=tf.float32)
+    bias = tf.Variable(rng.standard_normal(40) * 0.1, dtype=tf.float32) if with_bias else None
+    labels = tf.constant(rng.integers(0, 40, (2, 9)), tf.int32)
+    sources = [hidden, kernel] + ([bias] if with_bias else [])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            value = linear_cross_entropy(hidden, kernel, labels, bias=bias, transposed=transposed, chunk_size=4) * 3.0
+        return [value] + tape.gradient(value, sources)
+
+    def compiled_calls(graph):
+        return [n for n in graph.as_graph_def().node
+                if n.op in ("PartitionedCall", "StatefulPartitionedCall") and n.attr["_XlaMustCompile"].b]
+
+    plain = step()
+    assert compiled_calls(step.get_concrete_function().graph) == []
+    with checkpoint.compiled_blocks():
+        alone = tf.function(step.python_function)
+        graph = alone.get_concrete_function().graph
+        values = alone()
+    called = compiled_calls(graph)
+    assert len(called) == 2, [n.name for n in called]  # the loop, the scaling in the backward pass
+    assert max_rel_diff(plain, values) < 1e-5
+
+
 @pytest.mark.slow  # XLA compiles
 def test_bfloat16_products_under_a_persistent_tape_in_xla():
     """A persistent tape (kvram.Model's update_in_backward with the guard

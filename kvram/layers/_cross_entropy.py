@@ -17,6 +17,7 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module
 from tensorflow.python.eager import record
 
+from kvram._order import in_xla
 from kvram.layers.attention import _product
 
 __all__ = ["linear_cross_entropy", "Head", "head_of", "REDUCTIONS"]
@@ -55,10 +56,8 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
     label_chunks, weight_chunks = chunks(labels), chunks(weights)
     inputs = [tf.convert_to_tensor(t) for t in [hidden, kernel] + ([] if bias is None else [bias])]
 
-    @tf.custom_gradient
-    def fused(*inputs):
-        h, w = inputs[0], inputs[1]
-        b = inputs[2] if bias is not None else None
+    def loop(h, w, b):
+        """The chunks' loss and float32 gradients of `h`, `w` and `b` (None: no bias)."""
         h_chunks = chunks(tf.reshape(h, [-1, d]))
         w_in = tf.cast(w, dtype)
 
@@ -80,30 +79,58 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
             return j + 1, total, dh, dw, db
 
         vocabulary = w.shape[0] if transposed else w.shape[1]
+        _, total, dh, dw, db = tf.while_loop(
+            lambda j, *_: j < count, body,
+            (tf.constant(0), tf.constant(0.0), tf.TensorArray(tf.float32, size=count),
+             tf.zeros(w.shape, tf.float32), tf.zeros([vocabulary], tf.float32)),
+            parallel_iterations=1,
+        )
+        dh = tf.reshape(tf.reshape(dh.stack(), [-1, d])[:rows], tf.shape(h))  # float32 until scaled
+        return total, dh, dw, db
+
+    def scaled(upstream, dh, dw, db, h, w, b):
+        upstream = tf.cast(upstream, tf.float32)
+        grads = [tf.cast(dh * upstream, h.dtype), tf.cast(dw * upstream, w.dtype)]
+        if b is not None:
+            grads.append(tf.cast(db * upstream, b.dtype))
+        return grads
+
+    if alone_in_xla(hidden):
+        # A step in TensorFlow's executor whose parts XLA compiles one by one (kvram.Model(host_offload=True)
+        # with Checkpoint blocks): the loop, and the gradients' scaling, are computations of their own too.
+        # As TensorFlow ops the products run on float32 copies (`_product`), and each chunk's kernel gradient
+        # and its running sum are (D, V) float32 tensors of their own: for Llama-3-8B's head (4096 x 128256,
+        # 2 GiB in float32) that ran a 24 GiB GPU out of memory casting the kernel to float32. Under XLA on a
+        # GPU the products take the kernel in bfloat16.
+        loop = tf.function(loop, jit_compile=True, autograph=False)
+        scaled = tf.function(scaled, jit_compile=True, autograph=False)
+
+    @tf.custom_gradient
+    def fused(*inputs):
+        h, w = inputs[0], inputs[1]
+        b = inputs[2] if bias is not None else None
         # Not recorded by outer tapes: this function's gradient is `grad`. In a
         # graph, a persistent tape that recorded the loop built the loop's own
         # gradient as it was traced, which fails on the bfloat16 products
         # (BatchMatMulV3 with a float32 result: its gradient is float32, the
         # cast's bfloat16) and would hold the loop's intermediates for nothing.
         with record.stop_recording():
-            _, total, dh, dw, db = tf.while_loop(
-                lambda j, *_: j < count, body,
-                (tf.constant(0), tf.constant(0.0), tf.TensorArray(tf.float32, size=count),
-                 tf.zeros(w.shape, tf.float32), tf.zeros([vocabulary], tf.float32)),
-                parallel_iterations=1,
-            )
-        dh = tf.reshape(tf.reshape(dh.stack(), [-1, d])[:rows], tf.shape(h))  # float32 until scaled
+            total, dh, dw, db = loop(h, w, b)
 
         def grad(upstream):
-            upstream = tf.cast(upstream, tf.float32)
-            grads = [tf.cast(dh * upstream, h.dtype), tf.cast(dw * upstream, w.dtype)]
-            if b is not None:
-                grads.append(tf.cast(db * upstream, b.dtype))
-            return grads
+            return scaled(upstream, dh, dw, db, h, w, b)
 
         return total, grad
 
     return fused(*inputs)
+
+
+def alone_in_xla(x) -> bool:
+    """Whether `x` is traced into a graph outside XLA whose parts compile with XLA by themselves
+    (`kvram.layers.checkpoint.compiled_blocks`)."""
+    from kvram.layers import checkpoint
+
+    return checkpoint.compiling_blocks() and not tf.executing_eagerly() and not in_xla(x)
 
 
 class Head:

@@ -49,6 +49,12 @@ def compiled_blocks():
         _compiling.on = before
 
 
+def compiling_blocks() -> bool:
+    """Whether this thread traces within `compiled_blocks()`: a step that runs in TensorFlow's
+    executor while its parts compile with XLA one by one."""
+    return getattr(_compiling, "on", False)
+
+
 @keras.saving.register_keras_serializable(package="kvram")
 class Checkpoint(keras.layers.Layer):
     """Recomputes a layer's activations in the backward pass instead of storing them.
