@@ -129,7 +129,7 @@ def child(name, depth, args):
                   jit_compile=True,
                   **({} if args.steps_per_execution == "default" else {"steps_per_execution": args.steps_per_execution}))
     if lean:
-        kvram.speed.fused_cross_entropy(model)
+        kvram.speed.fused_cross_entropy(model, chunk_size=args.head_chunk)
     rng = np.random.default_rng(0)
     x = {"token_ids": tf.constant(rng.integers(0, args.vocabulary, (args.batch, args.sequence)), tf.int32),
          "padding_mask": tf.ones((args.batch, args.sequence), tf.int32)}
@@ -247,6 +247,9 @@ def main():
     parser.add_argument("--skip-nonfinite", type=int, choices=(0, 1), default=0,
                         help="kvram_state/kvram_factored: 1 guards each step (a second backward pass decides "
                              "the skip), 0 applies every step as Keras does (the default)")
+    parser.add_argument("--head-chunk", type=int, default=1024,
+                        help="tokens per chunk of the fused head and loss (fused_cross_entropy's chunk_size): each "
+                             "chunk holds a few (chunk, vocabulary) float32 buffers, 0.5 GiB each at 1024 x 128256")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps-per-execution", type=_steps_per_execution, default="default",
