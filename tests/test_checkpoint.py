@@ -503,7 +503,7 @@ def test_row_chunked_blocks_compiled_one_by_one_hold_each_blocks_input_once(requ
     copy: 12 blocks peaked 6.3 MiB a block above 4 blocks, for 4 MiB inputs (1.6x; 3.9 MiB now)."""
     if in_own_process(request):
         return
-    from kvram.layers import checkpoint
+    from kvram.layers import _compiling
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((128,))
@@ -516,7 +516,7 @@ def test_row_chunked_blocks_compiled_one_by_one_hold_each_blocks_input_once(requ
 
         @tf.function
         def step():
-            with checkpoint.compiled_blocks(), tf.GradientTape() as tape:
+            with _compiling.compiled_blocks(), tf.GradientTape() as tape:
                 h = x
                 for layer in wrapped:
                     h = layer(h, training=True)
@@ -596,7 +596,7 @@ def test_row_chunks_with_an_output_no_gradient_reaches():
 
     chunked = Checkpoint(block, row_chunks=3)
     for compiled in (False, True):  # the block its own XLA computation, as under host_offload
-        with kvram.layers.checkpoint.compiled_blocks() if compiled else contextlib.nullcontext():
+        with kvram.layers._compiling.compiled_blocks() if compiled else contextlib.nullcontext():
             ours = tf.function(lambda: gradients(lambda inputs: chunked(inputs, training=True)))()
         assert max_rel_diff(gradients(block), ours) < 1e-6
 

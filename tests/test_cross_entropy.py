@@ -55,7 +55,7 @@ def test_in_a_step_whose_blocks_compile_alone_the_loop_and_scaling_are_xla_compu
     the products take the kernel in its own dtype (as TensorFlow ops they ran on a float32 copy of
     it: Llama-3-8B's head ran a 24 GiB GPU out of memory there); values and gradients equal the
     same call outside it within 1e-5 (float32)."""
-    from kvram.layers import checkpoint
+    from kvram.layers import _compiling
 
     rng = np.random.default_rng(1)
     hidden = tf.Variable(rng.standard_normal((2, 9, 16)), dtype=tf.float32)
@@ -76,7 +76,7 @@ def test_in_a_step_whose_blocks_compile_alone_the_loop_and_scaling_are_xla_compu
 
     plain = step()
     assert compiled_calls(step.get_concrete_function().graph) == []
-    with checkpoint.compiled_blocks():
+    with _compiling.compiled_blocks():
         alone = tf.function(step.python_function)
         graph = alone.get_concrete_function().graph
         values = alone()

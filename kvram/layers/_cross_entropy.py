@@ -18,6 +18,7 @@ from keras.src.losses import loss as loss_module
 from tensorflow.python.eager import record
 
 from kvram._order import in_xla
+from kvram.layers._compiling import compiling_blocks
 from kvram.layers.attention import _product
 
 __all__ = ["linear_cross_entropy", "Head", "head_of", "REDUCTIONS"]
@@ -127,10 +128,8 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
 
 def alone_in_xla(x) -> bool:
     """Whether `x` is traced into a graph outside XLA whose parts compile with XLA by themselves
-    (`kvram.layers.checkpoint.compiled_blocks`)."""
-    from kvram.layers import checkpoint
-
-    return checkpoint.compiling_blocks() and not tf.executing_eagerly() and not in_xla(x)
+    (`kvram.layers._compiling.compiled_blocks`)."""
+    return compiling_blocks() and not tf.executing_eagerly() and not in_xla(x)
 
 
 class Head:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 
 import keras
 import tensorflow as tf
@@ -13,6 +12,7 @@ from keras import tree
 from kvram._order import after, in_xla, zero_from
 from kvram._state import mutable_state
 from kvram.layers import _in_backward
+from kvram.layers._compiling import compiling_blocks
 
 __all__ = ["Checkpoint", "POLICIES"]
 
@@ -31,28 +31,6 @@ class _IntegerWatchFilter(logging.Filter):
 
 tf.get_logger().addFilter(_IntegerWatchFilter())
 
-_compiling = threading.local()
-
-
-@contextlib.contextmanager
-def compiled_blocks():
-    """Within, each `Checkpoint` traced in training compiles its block by itself with XLA: its
-    forward pass, and its recomputation and backward pass in the backward (TensorFlow compiles the
-    gradient of an XLA function with XLA too). What calls them stays in TensorFlow's executor, so
-    each block's weight gradients are outputs of their own computation, there as soon as it ends
-    (kvram.Model(host_offload=True) copies them to the host then)."""
-    before = getattr(_compiling, "on", False)
-    _compiling.on = True
-    try:
-        yield
-    finally:
-        _compiling.on = before
-
-
-def compiling_blocks() -> bool:
-    """Whether this thread traces within `compiled_blocks()`: a step that runs in TensorFlow's
-    executor while its parts compile with XLA one by one."""
-    return getattr(_compiling, "on", False)
 
 
 @keras.saving.register_keras_serializable(package="kvram")
@@ -233,7 +211,7 @@ class Checkpoint(keras.layers.Layer):
                     f"row_chunks slices every input of the block along its rows, so each must have the same first "
                     f"dimension. Received inputs of shapes {[tuple(t.shape) for t in inputs]} for "
                     f"row_chunks={self.row_chunks}.")
-            compiling, known = getattr(_compiling, "on", False), inputs[0].shape[0] is not None
+            compiling, known = compiling_blocks(), inputs[0].shape[0] is not None
             # rows known: each pass over the slices one XLA computation; unknown: the block, its slices
             # and their sums one XLA computation
             chunked = _row_chunked(forward, self.row_chunks, n_in, state, compiled=compiling and known)
@@ -241,7 +219,7 @@ class Checkpoint(keras.layers.Layer):
                 chunked = tf.function(chunked, jit_compile=True, autograph=False)
             outputs = chunked(*inputs, *snapshot)
         else:
-            if getattr(_compiling, "on", False):
+            if compiling_blocks():
                 forward = tf.function(forward, jit_compile=True, autograph=False)
             if updates is not None and not tf.executing_eagerly():
                 updates.read_by_block(self.layer)

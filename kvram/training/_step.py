@@ -14,7 +14,7 @@ import tensorflow as tf
 from keras import tree
 from keras.src.losses import loss as loss_module
 
-from kvram.layers import _in_backward, checkpoint
+from kvram.layers import _compiling, _in_backward, checkpoint
 from kvram.training import _batch_statistics
 
 
@@ -373,7 +373,7 @@ def offloaded_gradients(model, state, x, y, sample_weight):
     pass is one XLA computation. As `jit_compile` said at `compile()`."""
     if any(isinstance(layer, checkpoint.Checkpoint) for layer in model._flatten_layers()) and not (
             model.run_eagerly or tf.executing_eagerly()):
-        with checkpoint.compiled_blocks():
+        with _compiling.compiled_blocks():
             return slice_gradients(model, x, y, sample_weight)
     return slice_function(model, state)(x, y, sample_weight)
 
