@@ -259,6 +259,9 @@ def main():
     parser.add_argument("--device", default="GPU:0", help="TensorFlow device (CPU:0 for a smoke run: no cap)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--stderr-dir", default=None,
+                        help="write each run's whole stderr there (with TF_CPP_MIN_LOG_LEVEL=0, the GPU allocator's "
+                             "summary at an out-of-memory error)")
     parser.add_argument("--combine", nargs="+", default=None, metavar="RESULT",
                         help="result files of runs made side by side (one GPU, one shape): write one of all their runs")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -270,13 +273,17 @@ def main():
     if args.child:
         name, _, depth = args.child.partition(":")
         return child(name, int(depth), args)
-    forwarded = without_options(sys.argv[1:], ("--out",))
+    forwarded = without_options(sys.argv[1:], ("--out", "--stderr-dir"))
     runs = []
     for name, depth in _runs(args.runs):
         started = time.perf_counter()
         with HostMemoryWatch() as host:
             records, error, stderr = run_child([sys.executable, __file__, *forwarded, "--child", f"{name}:{depth}"],
                                                args.timeout)
+        if args.stderr_dir:  # the whole of it: an out-of-memory error's allocator summary is longer than the tail
+            os.makedirs(args.stderr_dir, exist_ok=True)
+            with open(os.path.join(args.stderr_dir, f"{name}_{depth}.stderr"), "w") as f:
+                f.write(stderr or "")
         # the first error line can be a bare C++ frame (XLA's status macros): the tail says what the error was
         run = {"trained": False, "error": _first_error_line(error), "error_tail": _error_tail(error)} if error \
             else records[-1]
