@@ -323,6 +323,53 @@ def test_row_chunked_blocks_make_each_gradient_once_a_step_and_train_as_the_whol
     assert sum("backward" in name for name in compiled) == 3, compiled  # one per block
 
 
+@pytest.mark.slow  # XLA compiles per block
+@pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
+def test_row_chunked_blocks_keep_their_inputs_on_the_host_between_their_passes(request):
+    """HostOffload(block_inputs="host"): in each step, each row-chunked block's input is copied to the
+    host (CPU:0) after its forward pass, and back to the device (the second logical CPU) by an op that
+    waits for the block's output gradients; the weights trained equal block_inputs="device"'s."""
+    from tensorflow.python.eager import context
+
+    if in_own_process(request):
+        return
+    x, y = _data()
+    models = {}
+    for where in ("device", "host"):
+        with tf.device(DEVICE):
+            model = _blocks_model(dropout=0.0, row_chunks=4, host_offload=True)
+            model.compile(HostOffload(_adamw(), block_inputs=where), "mse", jit_compile=True, steps_per_execution=1)
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        models[where] = model
+    for a, b in zip(models["device"].get_weights(), models["host"].get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    step = tf.function(models["host"].train_step)
+    context.enable_run_metadata()  # the partition graphs of a function's first run
+    with tf.device(DEVICE):
+        step((tf.constant(x[:16]), tf.constant(y[:16])))
+    metadata = context.export_run_metadata()
+    context.disable_run_metadata()
+    ran = [n for f in metadata.function_graphs for g in f.partition_graphs for n in g.node]
+    to_host = [n.device for n in ran if n.op == "Snapshot" and "block_input_to_host" in n.name]
+    released = [n for n in ran if n.op == "Snapshot" and "block_input_released" in n.name]
+    receives = [n for n in ran if n.op == "_Recv" and "block_input_released" in n.attr["tensor_name"].s.decode()]
+    received = [n.device for n in receives]
+    # what reads each on the device: the block's backward computation, nothing else
+    readers = [m.op for r in receives for m in ran if any(i.split(":")[0] == r.name for i in m.input)]
+    assert readers == ["StatefulPartitionedCall"] * 3, readers
+    assert len(to_host) == 3 and all(d.endswith("CPU:0") for d in to_host), to_host  # one a block
+    # released on the host once a control input (the block's output gradients) arrives, then received
+    assert len(released) == 3 and all(n.device.endswith("CPU:0") for n in released), [n.device for n in released]
+    assert all(any(i.startswith("^") for i in n.input) for n in released), [list(n.input) for n in released]
+    assert len(received) == 3 and all(d.endswith("CPU:1") for d in received), received
+
+
+def test_block_inputs_must_be_device_or_host():
+    with pytest.raises(ValueError, match=r'block_inputs must be "device" or "host". Received: block_inputs=\'gpu\''):
+        HostOffload(_adamw(), block_inputs="gpu")
+    assert HostOffload(_adamw(), block_inputs="host").get_config()["block_inputs"] == "host"
+
+
 @pytest.mark.slow  # three fits
 def test_a_fit_interrupted_mid_epoch_resumes_from_its_backup_with_the_host_state(tmp_path):
     """keras.callbacks.BackupAndRestore keeps the masters and the host's optimizer state with the

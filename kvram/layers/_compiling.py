@@ -10,21 +10,29 @@ _compiling = threading.local()
 
 
 @contextlib.contextmanager
-def compiled_blocks():
+def compiled_blocks(inputs_host=None):
     """Within, each `Checkpoint` traced in training compiles its block by itself with XLA: its
     forward pass, and its recomputation and backward pass in the backward (TensorFlow compiles the
     gradient of an XLA function with XLA too). What calls them stays in TensorFlow's executor, so
     each block's weight gradients are outputs of their own computation, there as soon as it ends
-    (kvram.Model(host_offload=True) copies them to the host then)."""
-    before = getattr(_compiling, "on", False)
-    _compiling.on = True
+    (kvram.Model(host_offload=True) copies them to the host then). `inputs_host` (a CPU's name):
+    each row-chunked block keeps its input there between its forward and backward passes
+    (`HostOffload(block_inputs="host")`)."""
+    before = getattr(_compiling, "on", False), getattr(_compiling, "inputs_host", None)
+    _compiling.on, _compiling.inputs_host = True, inputs_host
     try:
         yield
     finally:
-        _compiling.on = before
+        _compiling.on, _compiling.inputs_host = before
 
 
 def compiling_blocks() -> bool:
     """Whether this thread traces within `compiled_blocks()`: a step that runs in TensorFlow's
     executor while its parts compile with XLA one by one."""
     return getattr(_compiling, "on", False)
+
+
+def block_inputs_host():
+    """Where row-chunked blocks keep their inputs within `compiled_blocks()` (a CPU's name), or None:
+    where they were made."""
+    return getattr(_compiling, "inputs_host", None) if compiling_blocks() else None

@@ -12,7 +12,7 @@ from keras import tree
 from kvram._order import after, in_xla, zero_from
 from kvram._state import mutable_state
 from kvram.layers import _in_backward
-from kvram.layers._compiling import compiling_blocks
+from kvram.layers._compiling import block_inputs_host, compiling_blocks
 
 __all__ = ["Checkpoint", "POLICIES"]
 
@@ -214,7 +214,8 @@ class Checkpoint(keras.layers.Layer):
             compiling, known = compiling_blocks(), inputs[0].shape[0] is not None
             # rows known: each pass over the slices one XLA computation; unknown: the block, its slices
             # and their sums one XLA computation
-            chunked = _row_chunked(forward, self.row_chunks, n_in, state, compiled=compiling and known)
+            chunked = _row_chunked(forward, self.row_chunks, n_in, state, compiled=compiling and known,
+                                   inputs_host=block_inputs_host() if compiling and known else None)
             if compiling and not known:
                 chunked = tf.function(chunked, jit_compile=True, autograph=False)
             outputs = chunked(*inputs, *snapshot)
@@ -270,7 +271,7 @@ def _ordered(tensors, zero):
             for t in tensors]
 
 
-def _row_chunked(forward, chunks: int, n_in: int, state, compiled: bool = False):
+def _row_chunked(forward, chunks: int, n_in: int, state, compiled: bool = False, inputs_host=None):
     """`forward(*inputs, *state_values)` (a `Checkpoint`'s) over slices of `ceil(rows / chunks)` of
     the inputs' rows, one after another, with `tf.recompute_grad`'s gradient: each slice recomputed
     in the backward pass from its rows, and the variables' gradients summed in float32 over the
@@ -279,7 +280,10 @@ def _row_chunked(forward, chunks: int, n_in: int, state, compiled: bool = False)
 
     Where the rows are known when traced, the equal slices run as one `tf.while_loop` in each pass
     (its body traced, and compiled by XLA, once for any `chunks`) and a shorter last slice, if any,
-    after it; otherwise as `chunks` slices written out one after another."""
+    after it; otherwise as `chunks` slices written out one after another. With `compiled` and
+    `inputs_host` (a CPU's name), the inputs are copied there after the forward pass and released
+    to the device's backward pass once the outputs' gradients arrive: the device holds none of them
+    in between."""
     from tensorflow.python.eager import record
 
     def piece(tensors, start, size):
@@ -383,17 +387,28 @@ def _row_chunked(forward, chunks: int, n_in: int, state, compiled: bool = False)
         forward_slices = tf.function(forward_pass, jit_compile=True, autograph=False) if compiled else forward_pass
         with record.stop_recording():
             result, starts, last_start = forward_slices(inputs, values)
+            kept = inputs
+            if compiled and inputs_host is not None:
+                # Snapshot, not Identity: Grappler removes a chain of identities that leaves a device and
+                # comes back, and the device then keeps the input; Snapshot passes on its buffer uncopied
+                with tf.device(inputs_host):
+                    kept = [tf.raw_ops.Snapshot(input=t, name="block_input_to_host") for t in inputs]
 
         def gradient(*dresult, variables=None):
             variables = list(variables or [])
             reached = [j for j, d in enumerate(dresult) if d is not None]  # outputs a gradient reaches
             dys = [dresult[j] for j in reached]
+            block_inputs = kept
+            if kept is not inputs:  # released to the device once the gradients arrive, not before
+                with tf.device(inputs_host), tf.control_dependencies(dys):
+                    block_inputs = [tf.raw_ops.Snapshot(input=t, name="block_input_released") for t in kept]
+
             def backward_slices(inputs, dys, starts, last_start):
                 return backward_pass(inputs, dys, starts, last_start, variables, reached)
 
             if compiled:
                 backward_slices = tf.function(backward_slices, jit_compile=True, autograph=False)
-            input_grads, sums = backward_slices(inputs, dys, starts, last_start)
+            input_grads, sums = backward_slices(block_inputs, dys, starts, last_start)
             return (input_grads + [None] * (len(args) - n_in),
                     [tf.cast(s, v.dtype) for s, v in zip(sums, variables)])
 

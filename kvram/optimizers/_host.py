@@ -135,6 +135,14 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     0.98 B-parameter model with it trained under 6,900 tokens/s (its 16 timed steps did not end within
     its time limit: benchmarks/results/optimizers_offload_update_gpu_1b_h100.json).
 
+    With `block_inputs="host"`, under `kvram.Model(host_offload=True)` with XLA, each block of
+    `kvram.layers.Checkpoint(row_chunks=k)` (k >= 2) copies its input to `host` after its forward pass
+    and back once its outputs' gradients arrive, so the device holds no block's input in between
+    (the weights and the input a block is computing on remain): for a decoder, rows x sequence x
+    hidden values a block, 128 MiB in bfloat16 for Llama-3-8B's width at 8 rows of 2,048 tokens, 4 GiB
+    over its 32 blocks. Each crosses twice a step; training is unchanged (`tests/test_host_offload.py`).
+    What it costs in time on a GPU is not measured.
+
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` that computes the update.
         host: the device holding masters and state ("/CPU:0").
@@ -142,9 +150,12 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
             `update_device`, the update runs as TensorFlow ops on that device and this is not read.
         groups: the runs of weights updated one by one (1: one update of every weight).
         update_device: None (the host computes the update), or the device that does (above).
+        block_inputs: "device" (the default) or "host": where row-chunked blocks keep their
+            inputs between their forward and backward passes (above).
     """
 
-    def __init__(self, inner_optimizer, host="/CPU:0", jit_compile=True, groups=1, name=None, update_device=None):
+    def __init__(self, inner_optimizer, host="/CPU:0", jit_compile=True, groups=1, name=None, update_device=None,
+                 block_inputs="device"):
         inner_optimizer = keras.optimizers.get(inner_optimizer)
         if isinstance(inner_optimizer, (HostOffload, keras.optimizers.LossScaleOptimizer)):
             raise ValueError(
@@ -165,8 +176,11 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
             raise ValueError(f"update_device must be None or name one of this machine's devices. Received: "
                              f"update_device={update_device!r}. Allowed: None, "
                              f"{', '.join(d.name for d in tf.config.list_logical_devices())}")
+        if block_inputs not in ("device", "host"):
+            raise ValueError(f'block_inputs must be "device" or "host". Received: block_inputs={block_inputs!r}')
         super().__init__(inner_optimizer, name=name or "host_offload")
         self.host = host
+        self.block_inputs = block_inputs
         self.update_device = update_device
         self.jit_compile = bool(jit_compile)
         self.groups = groups
@@ -319,7 +333,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
 
     def get_config(self):
         return {**super().get_config(), "host": self.host, "jit_compile": self.jit_compile, "groups": self.groups,
-                "update_device": self.update_device}
+                "update_device": self.update_device, "block_inputs": self.block_inputs}
 
 
 def _named_device(name, device_type=None) -> str | None:

@@ -262,7 +262,7 @@ class Model(keras.Model):
         # A host update cannot sit in an XLA computation: the step runs in TensorFlow's executor,
         # each forward and backward pass compiled with XLA as `jit_compile` says (_step.slice_function).
         self._kvram_slice_jit = None
-        if _offload(self.optimizer) is not None:
+        if _step.offload_of(self.optimizer) is not None:
             self._kvram_slice_jit = bool(self.jit_compile)
             self.jit_compile = False
         if auto:  # saved as given, so a loaded model resolves it again
@@ -276,7 +276,7 @@ class Model(keras.Model):
 
     def _offloaded(self, optimizer):
         """`optimizer`, run on the host (`HostOffload`) when the model was given host_offload=True."""
-        if not self.host_offload or optimizer is None or _offload(optimizer) is not None:
+        if not self.host_offload or optimizer is None or _step.offload_of(optimizer) is not None:
             return optimizer
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError(
@@ -513,7 +513,7 @@ class Model(keras.Model):
         if self.update_in_backward and self.trainable_weights:
             pass  # applied, each update as soon as its gradient is there
         elif self.trainable_weights:
-            offload = _offload(self.optimizer)
+            offload = _step.offload_of(self.optimizer)
             if offload is not None:  # the guard and the update read host copies
                 gradients = offload.to_host(gradients)
             finite = _step.all_finite(gradients)
@@ -577,15 +577,6 @@ def _innermost(optimizer):
     while getattr(optimizer, "inner_optimizer", None) is not None:
         optimizer = optimizer.inner_optimizer
     return optimizer
-
-
-def _offload(optimizer):
-    """The `HostOffload` in `optimizer`'s chain of wrappers, or None."""
-    while optimizer is not None:
-        if isinstance(optimizer, optimizers.HostOffload):
-            return optimizer
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return None
 
 
 def _has_unknown_cardinality(x) -> bool:

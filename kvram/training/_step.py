@@ -366,6 +366,17 @@ def slice_function(model, state):
         state.jit_slice_gradients = function
     return function
 
+def offload_of(optimizer):
+    """The `HostOffload` in `optimizer`'s chain of wrappers, or None."""
+    from kvram.optimizers import HostOffload
+
+    while optimizer is not None:
+        if isinstance(optimizer, HostOffload):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
 def offloaded_gradients(model, state, x, y, sample_weight):
     """`slice_gradients` for a step that leaves XLA (host_offload). A model with `Checkpoint`
     blocks compiles each block by itself, so that each block's gradients are made, and can leave
@@ -373,7 +384,9 @@ def offloaded_gradients(model, state, x, y, sample_weight):
     pass is one XLA computation. As `jit_compile` said at `compile()`."""
     if any(isinstance(layer, checkpoint.Checkpoint) for layer in model._flatten_layers()) and not (
             model.run_eagerly or tf.executing_eagerly()):
-        with _compiling.compiled_blocks():
+        offload = offload_of(model.optimizer)
+        host = offload.host if offload is not None and offload.block_inputs == "host" else None
+        with _compiling.compiled_blocks(inputs_host=host):
             return slice_gradients(model, x, y, sample_weight)
     return slice_function(model, state)(x, y, sample_weight)
 
