@@ -115,9 +115,10 @@ def child(name, depth, args):
                             accumulation_steps=args.accumulation, name=model.name,
                             **({"skip_nonfinite": bool(args.skip_nonfinite)} if runs else {}))
         optimizer = kvram.optimizers.AdamW8bit(1e-4, weight_decay=0.01)  # float32 weights or masters
-        if runs:
+        if runs or (name == "kvram_offload" and args.block_inputs == "host"):
             optimizer = kvram.optimizers.HostOffload(optimizer, groups=args.host_groups,
-                                                     update_device=args.device if on_device else None)
+                                                     update_device=args.device if on_device else None,
+                                                     block_inputs=args.block_inputs)
     elif lean:
         model = kvram.Model(model.input, model.output, update_in_backward=True, name=model.name,
                             skip_nonfinite=bool(args.skip_nonfinite))
@@ -244,6 +245,9 @@ def main():
                              "are on the host (then skip_nonfinite per --skip-nonfinite)")
     parser.add_argument("--update-device", choices=("host", "gpu"), default="host",
                         help="kvram_offload: where the update's arithmetic runs (the masters and state stay the host's)")
+    parser.add_argument("--block-inputs", choices=("device", "host"), default="device",
+                        help="kvram_offload: where row-chunked blocks keep their inputs between their passes "
+                             "(HostOffload(block_inputs=...))")
     parser.add_argument("--skip-nonfinite", type=int, choices=(0, 1), default=0,
                         help="kvram_state/kvram_factored: 1 guards each step (a second backward pass decides "
                              "the skip), 0 applies every step as Keras does (the default)")
