@@ -364,10 +364,20 @@ def test_row_chunked_blocks_keep_their_inputs_on_the_host_between_their_passes(r
     assert len(received) == 3 and all(d.endswith("CPU:1") for d in received), received
 
 
-def test_block_inputs_must_be_device_or_host():
+def test_block_inputs_must_be_device_or_host_and_a_step_that_keeps_none_is_refused():
+    """A bad value is refused; so is block_inputs="host" where the step keeps no block's inputs on
+    the host (here: no row-chunked block, no XLA), before any weight changes."""
     with pytest.raises(ValueError, match=r'block_inputs must be "device" or "host". Received: block_inputs=\'gpu\''):
         HostOffload(_adamw(), block_inputs="gpu")
     assert HostOffload(_adamw(), block_inputs="host").get_config()["block_inputs"] == "host"
+    x, y = _data()
+    model = _model(host_offload=True)
+    model.compile(HostOffload(_adamw(), block_inputs="host"), "mse", jit_compile=False)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r'block_inputs="host" keeps the inputs of .*this step kept none'):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow  # three fits

@@ -17,13 +17,28 @@ def compiled_blocks(inputs_host=None):
     each block's weight gradients are outputs of their own computation, there as soon as it ends
     (kvram.Model(host_offload=True) copies them to the host then). `inputs_host` (a CPU's name):
     each row-chunked block keeps its input there between its forward and backward passes
-    (`HostOffload(block_inputs="host")`)."""
-    before = getattr(_compiling, "on", False), getattr(_compiling, "inputs_host", None)
+    (`HostOffload(block_inputs="host")`). Yields a record of what was traced within."""
+    before = (getattr(_compiling, "on", False), getattr(_compiling, "inputs_host", None),
+              getattr(_compiling, "record", None))
+    record = _compiling.record = _Record()
     _compiling.on, _compiling.inputs_host = True, inputs_host
     try:
-        yield
+        yield record
     finally:
-        _compiling.on, _compiling.inputs_host = before
+        _compiling.on, _compiling.inputs_host, _compiling.record = before
+
+
+class _Record:
+    """What `compiled_blocks()` saw traced within it: `kept_inputs`, the blocks that kept their
+    inputs on the host."""
+
+    def __init__(self):
+        self.kept_inputs = 0
+
+
+def kept_inputs_on_host() -> None:
+    """A row-chunked block traced within `compiled_blocks()` keeps its inputs on the host."""
+    _compiling.record.kept_inputs += 1
 
 
 def compiling_blocks() -> bool:

@@ -12,7 +12,7 @@ from keras import tree
 from kvram._order import after, in_xla, zero_from
 from kvram._state import mutable_state
 from kvram.layers import _in_backward
-from kvram.layers._compiling import block_inputs_host, compiling_blocks
+from kvram.layers import _compiling
 
 __all__ = ["Checkpoint", "POLICIES"]
 
@@ -211,16 +211,16 @@ class Checkpoint(keras.layers.Layer):
                     f"row_chunks slices every input of the block along its rows, so each must have the same first "
                     f"dimension. Received inputs of shapes {[tuple(t.shape) for t in inputs]} for "
                     f"row_chunks={self.row_chunks}.")
-            compiling, known = compiling_blocks(), inputs[0].shape[0] is not None
+            compiling, known = _compiling.compiling_blocks(), inputs[0].shape[0] is not None
             # rows known: each pass over the slices one XLA computation; unknown: the block, its slices
             # and their sums one XLA computation
             chunked = _row_chunked(forward, self.row_chunks, n_in, state, compiled=compiling and known,
-                                   inputs_host=block_inputs_host() if compiling and known else None)
+                                   inputs_host=_compiling.block_inputs_host() if compiling and known else None)
             if compiling and not known:
                 chunked = tf.function(chunked, jit_compile=True, autograph=False)
             outputs = chunked(*inputs, *snapshot)
         else:
-            if compiling_blocks():
+            if _compiling.compiling_blocks():
                 forward = tf.function(forward, jit_compile=True, autograph=False)
             if updates is not None and not tf.executing_eagerly():
                 updates.read_by_block(self.layer)
@@ -393,6 +393,7 @@ def _row_chunked(forward, chunks: int, n_in: int, state, compiled: bool = False,
                 # comes back, and the device then keeps the input; Snapshot passes on its buffer uncopied
                 with tf.device(inputs_host):
                     kept = [tf.raw_ops.Snapshot(input=t, name="block_input_to_host") for t in inputs]
+                _compiling.kept_inputs_on_host()
 
         def gradient(*dresult, variables=None):
             variables = list(variables or [])

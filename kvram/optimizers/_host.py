@@ -141,7 +141,9 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     (the weights and the input a block is computing on remain): for a decoder, rows x sequence x
     hidden values a block, 128 MiB in bfloat16 for Llama-3-8B's width at 8 rows of 2,048 tokens, 4 GiB
     over its 32 blocks. Each crosses twice a step; training is unchanged (`tests/test_host_offload.py`).
-    What it costs in time on a GPU is not measured.
+    What it costs in time on a GPU is not measured. A step that keeps no block's input there (no such
+    block, no XLA, `micro_batch_size`, a plain `keras.Model`) is refused as it is traced, before any
+    weight changes.
 
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` that computes the update.
@@ -181,6 +183,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         super().__init__(inner_optimizer, name=name or "host_offload")
         self.host = host
         self.block_inputs = block_inputs
+        self.kept_block_inputs = 0  # the blocks whose inputs the step being traced keeps here
         self.update_device = update_device
         self.jit_compile = bool(jit_compile)
         self.groups = groups
@@ -260,6 +263,11 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         if context is not None and context.num_replicas_in_sync > 1:
             raise ValueError(f"HostOffload updates one host copy of the weights, so it cannot run over "
                              f"{context.num_replicas_in_sync} replicas. Allowed: one device.")
+        if self.block_inputs == "host" and not tf.executing_eagerly() and not self.kept_block_inputs:
+            raise ValueError(
+                'block_inputs="host" keeps the inputs of kvram.layers.Checkpoint(row_chunks=k) blocks (k >= 2) '
+                "on the host, in the step of kvram.Model(host_offload=True) compiled with XLA (jit_compile), "
+                "without micro_batch_size; this step kept none. Allowed: block_inputs=\"device\", or such a model.")
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         masters = [self._master_of[self._var_key(v)] for _, v in pairs]
         whole = self.groups == 1

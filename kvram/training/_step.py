@@ -386,8 +386,11 @@ def offloaded_gradients(model, state, x, y, sample_weight):
             model.run_eagerly or tf.executing_eagerly()):
         offload = offload_of(model.optimizer)
         host = offload.host if offload is not None and offload.block_inputs == "host" else None
-        with _compiling.compiled_blocks(inputs_host=host):
-            return slice_gradients(model, x, y, sample_weight)
+        with _compiling.compiled_blocks(inputs_host=host) as blocks:
+            result = slice_gradients(model, x, y, sample_weight)
+        if offload is not None:
+            offload.kept_block_inputs = blocks.kept_inputs
+        return result
     return slice_function(model, state)(x, y, sample_weight)
 
 
