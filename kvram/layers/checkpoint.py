@@ -11,8 +11,7 @@ from keras import tree
 
 from kvram._order import after, in_xla, zero_from
 from kvram._state import mutable_state
-from kvram.layers import _in_backward
-from kvram.layers import _compiling
+from kvram.layers import _compiling, _in_backward
 
 __all__ = ["Checkpoint", "POLICIES"]
 
@@ -30,7 +29,6 @@ class _IntegerWatchFilter(logging.Filter):
 
 
 tf.get_logger().addFilter(_IntegerWatchFilter())
-
 
 
 @keras.saving.register_keras_serializable(package="kvram")

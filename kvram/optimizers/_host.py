@@ -263,7 +263,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         if context is not None and context.num_replicas_in_sync > 1:
             raise ValueError(f"HostOffload updates one host copy of the weights, so it cannot run over "
                              f"{context.num_replicas_in_sync} replicas. Allowed: one device.")
-        if self.block_inputs == "host" and not tf.executing_eagerly() and not self.kept_block_inputs:
+        if self.block_inputs == "host" and not self.kept_block_inputs:
             raise ValueError(
                 'block_inputs="host" keeps the inputs of kvram.layers.Checkpoint(row_chunks=k) blocks (k >= 2) '
                 "on the host, in the step of kvram.Model(host_offload=True) compiled with XLA (jit_compile), "
