@@ -325,10 +325,12 @@ def test_row_chunked_blocks_make_each_gradient_once_a_step_and_train_as_the_whol
 
 @pytest.mark.slow  # XLA compiles per block
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
-def test_row_chunked_blocks_keep_their_inputs_on_the_host_between_their_passes(request):
-    """HostOffload(block_inputs="host"): in each step, each row-chunked block's input is copied to the
-    host (CPU:0) after its forward pass, and back to the device (the second logical CPU) by an op that
-    waits for the block's output gradients; the weights trained equal block_inputs="device"'s."""
+@pytest.mark.parametrize("row_chunks", [1, 4])
+def test_row_chunked_blocks_keep_their_inputs_on_the_host_between_their_passes(row_chunks, request):
+    """HostOffload(block_inputs="host"): in each step, each row-chunked block's input (in one slice,
+    or four) is copied to the host (CPU:0) after its forward pass, and back to the device (the second
+    logical CPU) by an op that waits for the block's output gradients; the weights trained equal
+    block_inputs="device"'s."""
     from tensorflow.python.eager import context
 
     if in_own_process(request):
@@ -337,7 +339,7 @@ def test_row_chunked_blocks_keep_their_inputs_on_the_host_between_their_passes(r
     models = {}
     for where in ("device", "host"):
         with tf.device(DEVICE):
-            model = _blocks_model(dropout=0.0, row_chunks=4, host_offload=True)
+            model = _blocks_model(dropout=0.0, row_chunks=row_chunks, host_offload=True)
             model.compile(HostOffload(_adamw(), block_inputs=where), "mse", jit_compile=True, steps_per_execution=1)
             model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         models[where] = model

@@ -97,8 +97,8 @@ class Checkpoint(keras.layers.Layer):
         layer: a `keras.layers.Layer` (a `keras.Sequential` or any model also
             works): the block to recompute.
         policy: one of `POLICIES`, "full" by default.
-        row_chunks: None (the default) or a positive int: the slices of rows
-            the block runs in, one after another (above).
+        row_chunks: None (the default) or a positive int: the slices of rows the block runs in,
+            one after another (above); 1 keeps its input on the host with HostOffload(block_inputs="host").
         **kwargs: base `keras.layers.Layer` arguments (`name`, ...).
 
     Raises:
@@ -198,7 +198,8 @@ class Checkpoint(keras.layers.Layer):
 
         inputs = [flat_args[i] for i in tensor_positions]
         updates = _in_backward.current()  # kvram.Model(update_in_backward=True)'s step
-        if self.row_chunks is not None and self.row_chunks > 1:
+        # one slice too where block inputs stay on the host (HostOffload(block_inputs="host"))
+        if self.row_chunks is not None and (self.row_chunks > 1 or _compiling.block_inputs_host()):
             if updates is not None and not tf.executing_eagerly():
                 raise ValueError("row_chunks sums a block's weight gradients over its slices before they leave "
                                  "the block, so it cannot hand each to update_in_backward's update. Allowed: "

@@ -136,7 +136,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     its time limit: benchmarks/results/optimizers_offload_update_gpu_1b_h100.json).
 
     With `block_inputs="host"`, under `kvram.Model(host_offload=True)` with XLA, each block of
-    `kvram.layers.Checkpoint(row_chunks=k)` (k >= 2) copies its input to `host` after its forward pass
+    `kvram.layers.Checkpoint(row_chunks=k)` (k >= 1) copies its input to `host` after its forward pass
     and back once its outputs' gradients arrive, so the device holds no block's input in between
     (the weights and the input a block is computing on remain): for a decoder, rows x sequence x
     hidden values a block, 128 MiB in bfloat16 for Llama-3-8B's width at 8 rows of 2,048 tokens, 4 GiB
@@ -265,7 +265,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                              f"{context.num_replicas_in_sync} replicas. Allowed: one device.")
         if self.block_inputs == "host" and not self.kept_block_inputs:
             raise ValueError(
-                'block_inputs="host" keeps the inputs of kvram.layers.Checkpoint(row_chunks=k) blocks (k >= 2) '
+                'block_inputs="host" keeps the inputs of kvram.layers.Checkpoint(row_chunks=k) blocks (k >= 1) '
                 "on the host, in the step of kvram.Model(host_offload=True) compiled with XLA (jit_compile), "
                 "without micro_batch_size; this step kept none. Allowed: block_inputs=\"device\", or such a model.")
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
