@@ -89,12 +89,12 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
         dh = tf.reshape(tf.reshape(dh.stack(), [-1, d])[:rows], tf.shape(h))  # float32 until scaled
         return total, dh, dw, db
 
-    def scaled(upstream, dh, dw, db, h, w, b):
+    dtypes = [t.dtype for t in inputs]
+
+    def scaled(upstream, dh, dw, db):
+        """The gradients of the inputs, in their dtypes (a bias's only where there is one)."""
         upstream = tf.cast(upstream, tf.float32)
-        grads = [tf.cast(dh * upstream, h.dtype), tf.cast(dw * upstream, w.dtype)]
-        if b is not None:
-            grads.append(tf.cast(db * upstream, b.dtype))
-        return grads
+        return [tf.cast(g * upstream, dtype) for g, dtype in zip([dh, dw, db], dtypes)]
 
     if alone_in_xla(hidden):
         # A step in TensorFlow's executor whose parts XLA compiles one by one (kvram.Model(host_offload=True)
@@ -119,7 +119,7 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
             total, dh, dw, db = loop(h, w, b)
 
         def grad(upstream):
-            return scaled(upstream, dh, dw, db, h, w, b)
+            return scaled(upstream, dh, dw, db)
 
         return total, grad
 

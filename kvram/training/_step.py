@@ -366,6 +366,7 @@ def slice_function(model, state):
         state.jit_slice_gradients = function
     return function
 
+
 def offload_of(optimizer):
     """The `HostOffload` in `optimizer`'s chain of wrappers, or None."""
     from kvram.optimizers import HostOffload
