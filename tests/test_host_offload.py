@@ -345,6 +345,13 @@ def test_row_chunked_blocks_keep_their_inputs_on_the_host_between_their_passes(r
         models[where] = model
     for a, b in zip(models["device"].get_weights(), models["host"].get_weights()):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    # compiled again without XLA, its step keeps no block input: refused, not run on a count left over
+    offload = models["host"].optimizer
+    with tf.device(DEVICE):
+        models["host"].compile(offload, "mse", jit_compile=False, steps_per_execution=1)
+        with pytest.raises(ValueError, match=r"this step kept none"):
+            models["host"].fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        models["host"].compile(offload, "mse", jit_compile=True, steps_per_execution=1)
     step = tf.function(models["host"].train_step)
     context.enable_run_metadata()  # the partition graphs of a function's first run
     with tf.device(DEVICE):

@@ -262,9 +262,11 @@ class Model(keras.Model):
         # A host update cannot sit in an XLA computation: the step runs in TensorFlow's executor,
         # each forward and backward pass compiled with XLA as `jit_compile` says (_step.slice_function).
         self._kvram_slice_jit = None
-        if _step.offload_of(self.optimizer) is not None:
+        offload = _step.offload_of(self.optimizer)
+        if offload is not None:
             self._kvram_slice_jit = bool(self.jit_compile)
             self.jit_compile = False
+            offload.kept_block_inputs = 0  # counted again by this compile's step (block_inputs="host")
         if auto:  # saved as given, so a loaded model resolves it again
             self._compile_config.config["steps_per_execution"] = _execution.AUTO
         if inner is None:
