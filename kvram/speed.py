@@ -351,7 +351,9 @@ def fused_cross_entropy(model: keras.Model, chunk_size: int = 1024) -> int:
     Each chunk of `chunk_size` tokens computes its logits (products in the
     global policy's compute dtype, bfloat16 under `mixed_bfloat16`, with float32
     results; float32 under `float32`), their float32 log-sum-exp and loss, and
-    its share of the gradients at once. Loss and gradients equal Keras's own
+    its share of the hidden states' gradient at once; the backward pass makes
+    the kernel's gradient a slice of the vocabulary at a time, in the kernel's
+    dtype, with no (hidden, vocabulary) float32 tensor. Loss and gradients equal Keras's own
     (sample weights and the loss's reduction included) within float rounding
     (tests/test_cross_entropy.py). Only training changes: `predict`,
     `evaluate`, `generate` and saving compute the logits as before.

@@ -4,10 +4,13 @@ never holds the (tokens, vocabulary) logits: `kvram.speed.fused_cross_entropy`.
 Per chunk of rows (tokens) it computes the chunk's logits (products in the
 compute dtype with float32 results inside XLA, float32 elsewhere), their
 float32 log-sum-exp, the loss, and at once the chunk's share of the gradients
-of the hidden states, the head's kernel and bias (the way Liger-Kernel's
-FusedLinearCrossEntropy does): the backward pass only scales them. Peak memory
-beyond the model: a few (chunk, vocabulary) float32 buffers, the hidden
-states' gradient and the kernel's float32 gradient.
+of the hidden states and the bias (the way Liger-Kernel's
+FusedLinearCrossEntropy does). The backward pass scales them and makes the
+kernel's gradient a slice of the vocabulary at a time from the rows'
+log-sum-exp, in the kernel's dtype: one more (rows, D) x (D, V) product, and
+no (D, V) float32 tensor. Peak memory beyond the model: a few (chunk,
+vocabulary) and (rows, slice) float32 buffers, the hidden states' float32
+gradient and the kernel's gradient.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 from keras.src.losses import loss as loss_module
+from tensorflow.compiler.tf2xla.python import xla
 from tensorflow.python.eager import record
 
 from kvram._order import in_xla
@@ -58,11 +62,11 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
     inputs = [tf.convert_to_tensor(t) for t in [hidden, kernel] + ([] if bias is None else [bias])]
 
     def loop(h, w, b):
-        """The chunks' loss and float32 gradients of `h`, `w` and `b` (None: no bias)."""
+        """The chunks' loss, float32 gradients of `h` and `b` (None: no bias) and rows' log-sum-exp."""
         h_chunks = chunks(tf.reshape(h, [-1, d]))
         w_in = tf.cast(w, dtype)
 
-        def body(j, total, dh, dw, db):
+        def body(j, total, dh, lses, db):
             h_c = tf.gather(h_chunks, j)
             z = _product(h_c, w_in, dtype, adj_b=transposed)  # (C, V) float32
             if b is not None:
@@ -74,37 +78,79 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
             g = tf.exp(z - lse[:, None]) - tf.one_hot(y, tf.shape(z)[1], dtype=tf.float32)
             g = g * weight[:, None]
             dh = dh.write(j, _product(g, w_in, dtype, adj_b=not transposed))
-            dw = dw + (_product(g, h_c, dtype, adj_a=True) if transposed else _product(h_c, g, dtype, adj_a=True))
             if b is not None:
                 db = db + tf.reduce_sum(g, axis=0)
-            return j + 1, total, dh, dw, db
+            return j + 1, total, dh, lses.write(j, lse), db
 
-        vocabulary = w.shape[0] if transposed else w.shape[1]
-        _, total, dh, dw, db = tf.while_loop(
+        _, total, dh, lses, db = tf.while_loop(
             lambda j, *_: j < count, body,
             (tf.constant(0), tf.constant(0.0), tf.TensorArray(tf.float32, size=count),
-             tf.zeros(w.shape, tf.float32), tf.zeros([vocabulary], tf.float32)),
+             tf.TensorArray(tf.float32, size=count), tf.zeros([vocabulary], tf.float32)),
             parallel_iterations=1,
         )
         dh = tf.reshape(tf.reshape(dh.stack(), [-1, d])[:rows], tf.shape(h))  # float32 until scaled
-        return total, dh, dw, db
+        return total, dh, tf.reshape(lses.stack(), [-1])[:rows], db
 
+    vocabulary = kernel.shape[0] if transposed else kernel.shape[1]
+    known_rows = hidden.shape[:-1].num_elements()
+    # the kernel's gradient a slice of the vocabulary at a time: (rows, slice) float32 buffers about
+    # as large as a chunk's (chunk, vocabulary) ones, a multiple of 128 columns where that is smaller
+    columns = min(vocabulary, max(1, chunk_size * vocabulary // known_rows) if known_rows else chunk_size)
+    columns = columns - columns % 128 if columns > 128 else columns
     dtypes = [t.dtype for t in inputs]
 
-    def scaled(upstream, dh, dw, db):
-        """The gradients of the inputs, in their dtypes (a bias's only where there is one)."""
+    def kernel_gradient(upstream, h, w, b, lse):
+        """`upstream` times the kernel's gradient, in the kernel's dtype, made `columns` words of the
+        vocabulary at a time from the rows' log-sum-exp: no (D, V) float32 tensor (Llama-3-8B's head:
+        2 GiB), one more (rows, D) x (D, V) product than keeping the gradient from the forward pass."""
+        h = tf.reshape(h, [-1, d])
         upstream = tf.cast(upstream, tf.float32)
-        return [tf.cast(g * upstream, dtype) for g, dtype in zip([dh, dw, db], dtypes)]
+
+        def part(start, size):
+            w_c = tf.slice(w, [start, 0], [size, d]) if transposed else tf.slice(w, [0, start], [d, size])
+            z = _product(h, tf.cast(w_c, dtype), dtype, adj_b=transposed)  # (rows, size) float32
+            if b is not None:
+                z = z + tf.cast(tf.slice(b, [start], [size]), tf.float32)
+            g = (tf.exp(z - lse[:, None]) - tf.one_hot(labels - start, size, dtype=tf.float32)) * weights[:, None]
+            g_w = _product(g, h, dtype, adj_a=True) if transposed else _product(h, g, dtype, adj_a=True)
+            return tf.cast(g_w * upstream, w.dtype)
+
+        full, rest = divmod(vocabulary, columns)
+        if in_xla(h):
+            # written in place into one buffer of the kernel's shape and dtype
+            def corner(start):
+                return [start, 0] if transposed else [0, start]
+
+            def body(j, out):
+                return j + 1, xla.dynamic_update_slice(out, part(j * columns, columns), corner(j * columns))
+
+            _, out = tf.while_loop(lambda j, _: j < full, body, (tf.constant(0), tf.zeros(w.shape, w.dtype)),
+                                   parallel_iterations=1)
+            return out if not rest else xla.dynamic_update_slice(out, part(full * columns, rest),
+                                                                 corner(full * columns))
+        _, parts = tf.while_loop(
+            lambda j, _: j < full, lambda j, parts: (j + 1, parts.write(j, part(j * columns, columns))),
+            (tf.constant(0), tf.TensorArray(w.dtype, size=full)), parallel_iterations=1)
+        parts = parts.stack()  # (full, columns, D) or (full, D, columns)
+        parts = (tf.reshape(parts, [-1, d]) if transposed
+                 else tf.reshape(tf.transpose(parts, [1, 0, 2]), [d, full * columns]))
+        return parts if not rest else tf.concat([parts, part(full * columns, rest)], 0 if transposed else 1)
+
+    def backward(upstream, dh, db, h, w, b, lse):
+        """The gradients of the inputs, in their dtypes (a bias's only where there is one)."""
+        dw = kernel_gradient(upstream, h, w, b, lse)
+        upstream = tf.cast(upstream, tf.float32)
+        grads = [tf.cast(dh * upstream, dtypes[0]), dw]
+        return grads if b is None else grads + [tf.cast(db * upstream, dtypes[2])]
 
     if alone_in_xla(hidden):
         # A step in TensorFlow's executor whose parts XLA compiles one by one (kvram.Model(host_offload=True)
-        # with Checkpoint blocks): the loop, and the gradients' scaling, are computations of their own too.
-        # As TensorFlow ops the products run on float32 copies (`_product`), and each chunk's kernel gradient
-        # and its running sum are (D, V) float32 tensors of their own: for Llama-3-8B's head (4096 x 128256,
-        # 2 GiB in float32) that ran a 24 GiB GPU out of memory casting the kernel to float32. Under XLA on a
-        # GPU the products take the kernel in bfloat16.
+        # with Checkpoint blocks): the loop, and the backward pass, are computations of their own too.
+        # As TensorFlow ops the products run on float32 copies (`_product`): for Llama-3-8B's head
+        # (4096 x 128256, 2 GiB in float32) that ran a 24 GiB GPU out of memory casting the kernel to
+        # float32. Under XLA on a GPU the products take the kernel in bfloat16.
         loop = tf.function(loop, jit_compile=True, autograph=False)
-        scaled = tf.function(scaled, jit_compile=True, autograph=False)
+        backward = tf.function(backward, jit_compile=True, autograph=False)
 
     @tf.custom_gradient
     def fused(*inputs):
@@ -116,10 +162,10 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
         # (BatchMatMulV3 with a float32 result: its gradient is float32, the
         # cast's bfloat16) and would hold the loop's intermediates for nothing.
         with record.stop_recording():
-            total, dh, dw, db = loop(h, w, b)
+            total, dh, lse, db = loop(h, w, b)
 
         def grad(upstream):
-            return scaled(upstream, dh, dw, db)
+            return backward(upstream, dh, db, h, w, b, lse)
 
         return total, grad
 
