@@ -1,5 +1,5 @@
-"""Writes the tables of docs/benchmarks.md, README.md's headline table and the data guide's
-readers from the committed results (benchmarks/results/<suite>_<machine>.json), and the
+"""Writes the tables of docs/benchmarks.md, README.md's headline table, the data guide's
+readers and the training guide's host-offload runs from the committed results (benchmarks/results/<suite>_<machine>.json), and the
 memory-against-speed picture. A number in the docs is the number in a result file:
 tests/test_report.py renders the pages and fails where the committed ones differ.
 
@@ -19,6 +19,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 README = os.path.join(ROOT, "README.md")
 DATA_GUIDE = os.path.join(ROOT, "docs", "guides", "data.md")
+TRAINING_GUIDE = os.path.join(ROOT, "docs", "guides", "training.md")
 PICTURE = os.path.join(ROOT, "docs", "img", "memory_vs_speed.png")
 # README.md's and the data guide's generated parts lie between these lines
 BEGIN, END = "<!-- benchmarks.report: begin -->", "<!-- benchmarks.report: end -->"
@@ -157,6 +158,66 @@ def readers(name: str = "data_io_cpu.json") -> str:
     return "\n".join([BEGIN, *lines, END]) + "\n"
 
 
+# the training guide's host-offload runs: results of benchmarks/optimizers/capacity.py (a file is
+# one report, or holds reports), newest first
+OFFLOAD = ("optimizers_offload_8b_h100.json", "optimizers_offload_8b_32rows_h100.json",
+           "optimizers_offload_update_gpu_8b_width_h100.json", "optimizers_offload_parity_1b_h100.json",
+           "optimizers_offload_update_gpu_1b_h100.json", "optimizers_offload_updates_h200.json")
+
+
+def _reports(result: dict) -> list[dict]:
+    return [result] if "runs" in result else [v for v in result.values() if isinstance(v, dict) and "runs" in v]
+
+
+def _recipe(config: str, s: dict) -> str:
+    """How a capacity.py run trained, from its settings."""
+    if config == "kvram_gpu":
+        return f"on the device: `AdamW8bit`, `mixed_bfloat16`, {s['accumulation']} accumulated batches of {s['batch']}"
+    parts = ([f"{s['batch']} rows in {s['row_chunks']} slices"] if s.get("row_chunks") else []) + (
+        [f"{s['accumulation']} accumulated batches of {s['batch']}"] if s["accumulation"] > 1 else [])
+    if s.get("host_groups", 1) > 1:
+        parts.append(f"`groups={s['host_groups']}`")
+    if s.get("update_device") == "gpu":
+        parts.append("update on the GPU")
+    if s.get("block_inputs") == "host":
+        parts.append('`block_inputs="host"`')
+    if s.get("head_chunk", 1024) != 1024:
+        parts.append(f"head chunk {s['head_chunk']}")
+    return "host update, " + ", ".join(parts or [f"batch {s['batch']}"])
+
+
+def _outcome(run: dict) -> list[str]:
+    """tokens/s, MFU, GPU and host peaks, loss: the cells of a run (what stopped it, if it did not train)."""
+    if not run.get("trained"):
+        error = run.get("error", "")
+        why = ("out of GPU memory" if "RESOURCE_EXHAUSTED" in run.get("error_tail", error) else
+               error if error.startswith("timed out") else error.splitlines()[0][:60])
+        return [why, "", "", "", ""]
+    return [f"{run['tokens_per_s']:,.0f}", f"{100 * run['mfu']:.1f}%", f"{run['peak_gib']:.2f}",
+            f"{run['host_peak_gib']:.1f}", f"{run['final_loss']:.4f}"]
+
+
+def offload() -> str:
+    """The training guide's table of host-offloaded runs (and their on-device twins)."""
+    lines = ["Llama-shaped KerasHub models, sequence 2048, every weight trainable, `AdamW8bit`, a `Checkpoint` on",
+             "every block, the GPU capped at 24 GiB; each row's command is in its result file.", "",
+             "| parameters (depth, hidden, vocabulary) | recipe | tokens per update | tokens/s | MFU | GPU peak GiB "
+             "| host peak GiB | last loss | measured |", "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for name in OFFLOAD:
+        result = load(name)
+        for report in _reports(result):
+            s = report["settings"]
+            for run in report["runs"]:
+                size = f"{run['parameters'] / 1e9:.2f} B " if run.get("parameters") else ""
+                model = f"{size}({run['depth']}, {s['hidden']}, {s['vocabulary']})"
+                tokens = s["batch"] * s["accumulation"] * s["sequence"]
+                where = (f"{report['gpu'].split(',')[0].removeprefix('NVIDIA ')}, {report['date']}, commit "
+                         f"{report['commit'][:7]}, `{name}`")
+                cells = [model, _recipe(run["config"], s), f"{tokens:,}", *_outcome(run), where]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join([BEGIN, *lines, END]) + "\n"
+
+
 def _rendered(text: str, part: str) -> str:
     """`text` with its generated part (between BEGIN and END) replaced by `part`."""
     start, end = text.index(BEGIN), text.index(END) + len(END) + 1
@@ -171,6 +232,11 @@ def readme(text: str) -> str:
 def data_guide(text: str) -> str:
     """`text` (docs/guides/data.md) with its table of readers rendered again."""
     return _rendered(text, readers())
+
+
+def training_guide(text: str) -> str:
+    """`text` (docs/guides/training.md) with its table of host-offloaded runs rendered again."""
+    return _rendered(text, offload())
 
 
 def picture(path: str = PICTURE) -> None:
@@ -207,10 +273,11 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 where a page differs")
     args = parser.parse_args(argv)
     committed = {}
-    for path in (README, PAGE, DATA_GUIDE):
+    for path in (README, PAGE, DATA_GUIDE, TRAINING_GUIDE):
         with open(path) as f:
             committed[path] = f.read()
-    wanted = {README: readme(committed[README]), PAGE: page(), DATA_GUIDE: data_guide(committed[DATA_GUIDE])}
+    wanted = {README: readme(committed[README]), PAGE: page(), DATA_GUIDE: data_guide(committed[DATA_GUIDE]),
+              TRAINING_GUIDE: training_guide(committed[TRAINING_GUIDE])}
     stale = [path for path, text in wanted.items() if text != committed[path]]
     if args.check:
         for path in stale:

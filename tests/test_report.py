@@ -28,6 +28,14 @@ def test_the_data_guide_table_is_rendered_from_the_results():
     assert "| `to_tf_dataset`, first epoch (checksums checked) |" in text
 
 
+def test_the_training_guide_offload_table_is_rendered_from_the_results():
+    with open(report.TRAINING_GUIDE) as f:
+        text = f.read()
+    assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
+    assert text == report.training_guide(text), "run python -m benchmarks.report"
+    assert "| 8.03 B (32, 4096, 128256) | host update, 8 rows in 8 slices," in text
+
+
 def test_every_row_of_the_headline_names_a_configuration_of_its_result():
     for title, name, peer, roles in report.SUITES:
         result = report.load(name)
