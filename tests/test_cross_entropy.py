@@ -49,9 +49,9 @@ def test_linear_cross_entropy_equals_keras_in_float32(transposed, with_bias, chu
 
 
 @pytest.mark.parametrize("transposed,with_bias", [(False, True), (True, False)])
-def test_in_a_step_whose_blocks_compile_alone_the_loop_and_scaling_are_xla_computations(transposed, with_bias):
+def test_in_a_step_whose_blocks_compile_alone_the_loop_and_backward_pass_are_xla_computations(transposed, with_bias):
     """Within `compiled_blocks()` (host_offload's step, in TensorFlow's executor), the chunk loop and
-    the gradients' scaling are XLA computations of their own, called from the step's graph, so that
+    the backward pass are XLA computations of their own, called from the step's graph, so that
     the products take the kernel in its own dtype (as TensorFlow ops they ran on a float32 copy of
     it: Llama-3-8B's head ran a 24 GiB GPU out of memory there); values and gradients equal the
     same call outside it within 1e-5 (float32)."""
@@ -81,7 +81,7 @@ def test_in_a_step_whose_blocks_compile_alone_the_loop_and_scaling_are_xla_compu
         graph = alone.get_concrete_function().graph
         values = alone()
     called = compiled_calls(graph)
-    assert len(called) == 2, [n.name for n in called]  # the loop, the scaling in the backward pass
+    assert len(called) == 2, [n.name for n in called]  # the loop, the backward pass
     assert max_rel_diff(plain, values) < 1e-5
 
 
