@@ -191,7 +191,7 @@ def _outcome(run: dict) -> list[str]:
     if not run.get("trained"):
         error = run.get("error", "")
         why = ("out of GPU memory" if "RESOURCE_EXHAUSTED" in run.get("error_tail", error) else
-               error if error.startswith("timed out") else error.splitlines()[0][:60])
+               error if error.startswith("timed out") else (error.splitlines() or ["did not train"])[0][:60])
         return [why, "", "", "", ""]
     return [f"{run['tokens_per_s']:,.0f}", f"{100 * run['mfu']:.1f}%", f"{run['peak_gib']:.2f}",
             f"{run['host_peak_gib']:.1f}", f"{run['final_loss']:.4f}"]

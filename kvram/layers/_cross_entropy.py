@@ -100,7 +100,7 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
     dtypes = [t.dtype for t in inputs]
 
     def kernel_gradient(upstream, h, w, b, lse):
-        """`upstream` times the kernel's gradient, in the kernel's dtype, made `columns` words of the
+        """`upstream` times the kernel's gradient, in the kernel's dtype, made `columns` entries of the
         vocabulary at a time from the rows' log-sum-exp: no (D, V) float32 tensor (Llama-3-8B's head:
         2 GiB), one more (rows, D) x (D, V) product than keeping the gradient from the forward pass."""
         h = tf.reshape(h, [-1, d])
