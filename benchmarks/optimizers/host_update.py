@@ -1,8 +1,9 @@
 """How fast the host's cores apply an optimizer update: `HostOffload`'s update as TensorFlow CPU ops
 against one XLA computation on the CPU, for `AdamW`, `AdamW8bit` and `AdamW8bit(factored=True)`:
 `--parameters` float32 parameters in 4 equal variables, `--updates` timed updates after 2 untimed
-ones, on `--threads` of the host's cores (TensorFlow's intra-op threads; all by default). How to run
-it: README.md."""
+ones, on `--threads` of the host's cores (TensorFlow's intra-op threads; all by default); and the
+memory one update works in beyond its variables, gradients and state (the CPU allocator's peak above
+what was in use, over one more update). How to run it: README.md."""
 
 from __future__ import annotations
 
@@ -17,20 +18,54 @@ from benchmarks.common import result_header, versions, write_result  # noqa: E40
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw8bit_factored")
 
 
-def measure(name: str, jit: bool, parameters: int, updates: int) -> dict:
+def _optimizer(name: str):
     import keras
 
     import kvram
+
+    return {"adamw": lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.01),
+            "adamw8bit": lambda: kvram.optimizers.AdamW8bit(1e-3, weight_decay=0.01),
+            "adamw8bit_factored": lambda: kvram.optimizers.AdamW8bit(1e-3, weight_decay=0.01, factored=True),
+            }[name]()
+
+
+def working_bytes(name: str, jit: bool, parameters: int) -> int:
+    """The CPU allocator's peak above what was in use over one update (after 2 untimed ones) of
+    `parameters` float32 values in 4 variables, as `_host.update_rate` updates them: the memory the
+    update works in beyond its variables, gradients and state."""
+    import kvram  # first: CPU allocator statistics (TF_ENABLE_ONEDNN_OPTS)
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    shape = (max(1, parameters // 4 // 1024), 1024)
+    with tf.device("/CPU:0"):
+        optimizer = _optimizer(name)
+        variables = [keras.Variable(rng.normal(size=shape).astype("float32")) for _ in range(4)]
+        gradients = [tf.constant(rng.normal(size=shape).astype("float32") * 1e-3) for _ in range(4)]
+        optimizer.build(variables)
+        step = tf.function(lambda g: optimizer.apply(g, variables), jit_compile=jit)
+        for _ in range(2):
+            step(gradients)
+        variables[0].numpy()
+        kvram.memory.reset_peak("CPU:0")
+        before = kvram.memory.current_bytes("CPU:0")
+        step(gradients)
+        variables[0].numpy()
+        return kvram.memory.peak_bytes("CPU:0") - before
+
+
+def measure(name: str, jit: bool, parameters: int, updates: int) -> dict:
     from kvram.optimizers import _host
 
-    optimizer = {"adamw": lambda: keras.optimizers.AdamW(1e-3, weight_decay=0.01),
-                 "adamw8bit": lambda: kvram.optimizers.AdamW8bit(1e-3, weight_decay=0.01),
-                 "adamw8bit_factored": lambda: kvram.optimizers.AdamW8bit(1e-3, weight_decay=0.01, factored=True),
-                 }[name]()
-    rate = _host.update_rate(optimizer, parameters, updates, jit_compile=jit)
+    rate = _host.update_rate(_optimizer(name), parameters, updates, jit_compile=jit)
+    working = working_bytes(name, jit, parameters)
     parameters = 4 * max(1, parameters // 4 // 1024) * 1024
     return {"optimizer": name, "jit_compile": jit, "parameters": parameters,
-            "ms_per_update": 1e3 * parameters / rate, "parameters_per_s": rate}
+            "ms_per_update": 1e3 * parameters / rate, "parameters_per_s": rate,
+            "working_bytes": working, "working_bytes_per_parameter": working / parameters}
 
 
 def main():
@@ -60,7 +95,8 @@ def main():
             run = measure(name, jit, args.parameters, args.updates)
             runs.append(run)
             print(f"{name:18} jit_compile={str(jit):5} {run['ms_per_update']:8.1f} ms per update of "
-                  f"{run['parameters'] / 1e6:.1f}M parameters ({run['parameters_per_s'] / 1e6:.0f}M/s)", flush=True)
+                  f"{run['parameters'] / 1e6:.1f}M parameters ({run['parameters_per_s'] / 1e6:.0f}M/s), working in "
+                  f"{run['working_bytes_per_parameter']:.1f} bytes per parameter", flush=True)
     write_result(args.out, {**result_header("optimizers-host-update", __file__), "cpu_cores": os.cpu_count(),
                             "threads": args.threads or os.cpu_count(), "settings": vars(args), "runs": runs,
                             "versions": versions()})
