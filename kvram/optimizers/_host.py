@@ -102,7 +102,9 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     computation `apply` refuses, saying so).
 
     `build` refuses, before it allocates anything, a host whose free memory (Linux's
-    MemAvailable) is smaller than the masters and the state, with both numbers; and, where host
+    MemAvailable) is smaller than the masters, the state, a step's gradient copies and the working
+    copies of the update of its largest run of weights (`AdamW8bit.working_bytes`), with the
+    numbers; and, where host
     memory is pinned (`kvram.speed.pin_host_memory`, which `import kvram` applies where there is a
     GPU), a need above TensorFlow's pinned allocator's limit (64 GiB unless
     TF_GPU_HOST_MEM_LIMIT_IN_MB is set before TensorFlow starts), saying what to set. The masters and
@@ -191,28 +193,35 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         self._updates = {}
 
     def required_host_bytes(self, var_list) -> tuple[int, bool]:
-        """(bytes the host needs for `var_list`: float32 masters, the optimizer's state and one
-        step's gradient copies, in the weights' dtype (none with `update_device`); whether the
-        state is known exactly)."""
-        masters, copies, state, exact = self._host_parts(var_list)
-        return masters + copies + state, exact
+        """(bytes the host needs for `var_list`: float32 masters, the optimizer's state, one
+        step's gradient copies, in the weights' dtype, and the working copies of the update of
+        its largest run (neither with `update_device`); whether the state is known exactly)."""
+        masters, copies, state, working, exact = self._host_parts(var_list)
+        return masters + copies + state + working, exact
 
-    def _host_parts(self, var_list) -> tuple[int, int, int, bool]:
-        """(masters, gradient copies, state) bytes of `var_list`, and whether the state's is exact."""
-        state, exact = _state_bytes(self.inner_optimizer, [tuple(v.shape) for v in var_list])
+    def _host_parts(self, var_list) -> tuple[int, int, int, int, bool]:
+        """(masters, gradient copies, state, update's working copies) bytes of `var_list`, and
+        whether the state's is exact."""
+        shapes = [tuple(v.shape) for v in var_list]
+        state, exact = _state_bytes(self.inner_optimizer, shapes)
         masters = 4 * sum(int(np.prod(v.shape)) for v in var_list)
-        # with update_device the gradients stay on the device
+        # with update_device the gradients stay on the device, where the update works
         copies = 0 if self.update_device else sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in var_list)
-        return masters, copies, state, exact
+        runs = _runs([int(np.prod(shape)) for shape in shapes], self.groups) if shapes else []
+        working = 0 if self.update_device else max(
+            (_working_bytes(self.inner_optimizer, [shapes[i] for i in run], self.jit_compile) for run in runs),
+            default=0)
+        return masters, copies, state, working, exact
 
     def _check_host(self, var_list) -> None:
-        masters, copies, state, exact = self._host_parts(var_list)
-        need, free, pinned = masters + copies + state, available_host_bytes(), pinned_host_limit()
+        masters, copies, state, working, exact = self._host_parts(var_list)
+        need, free, pinned = masters + copies + state + working, available_host_bytes(), pinned_host_limit()
         how = "" if exact else f", counted as Adam's {_ASSUMED} bytes per parameter"
         name = type(self.inner_optimizer).__name__
         what = (f"HostOffload needs {_gib(need)} of host memory for {masters // 4:,} parameters: float32 master "
-                f"weights ({_gib(masters)}), a step's gradients ({_gib(copies)}) and {name}'s state "
-                f"({_gib(state)}{how}); ")
+                f"weights ({_gib(masters)}), a step's gradients ({_gib(copies)}), {name}'s state "
+                f"({_gib(state)}{how}) and its update's working copies ({_gib(working)}, for the largest of "
+                f"{self.groups} run(s) of weights); ")
         if free is not None and need > free:
             raise MemoryError(
                 f"{what}the host has {_gib(free)} free (MemAvailable). Nothing was allocated. Free host memory, use "
@@ -352,6 +361,17 @@ def _named_device(name, device_type=None) -> str | None:
     except (TypeError, ValueError):
         return None
     return found if device_type in (None, tf.DeviceSpec.from_string(found).device_type) else None
+
+
+def _working_bytes(optimizer, shapes, jit_compile: bool) -> int:
+    """Bytes `optimizer`'s update of weights of `shapes` works in beyond the weights, gradients and
+    state: kvram's AdamW8bit counts its own (`working_bytes`); Keras's optimizers update in place as
+    one XLA computation, and take up to 6 bytes per parameter as TensorFlow ops on a 2-core CPU
+    (benchmarks/results/optimizers_host_update_cpu.json: AdamW), counted as 8."""
+    counter = getattr(optimizer, "working_bytes", None)
+    if callable(counter):
+        return int(sum(counter(shape, jit_compile) for shape in shapes))
+    return 0 if jit_compile else 8 * sum(int(np.prod(shape)) for shape in shapes)
 
 
 def _runs(sizes, groups: int) -> list:
