@@ -125,10 +125,11 @@ class AdamW8bit(keras.optimizers.AdamW):
         """Bytes one update of a weight of `shape` works in beyond the weight, its gradient, its
         state and its new value: the dequantized moments, their new values before quantization, the
         float32 weight. An upper bound, counted where `HostOffload` checks the host's memory. On a
-        2-core CPU, updating four bfloat16 weights on the host as one XLA computation took 30 bytes
-        per parameter of 1M and 4M values and 14 of 16.8M (XLA's CPU code differs with the size), 14
-        factored, and 16 and 11 as TensorFlow ops; counted as 32, 16 and 24 (smaller weights, with
-        float32 moments: 8). tests/test_host_offload.py checks the bound."""
+        2-core CPU, updating four bfloat16 weights on the host took, per parameter: 30 bytes at 1M
+        and 4M values and 14 at 16.8M as one XLA computation (XLA's CPU code differs with the size),
+        counted as 32; 16 as TensorFlow ops, counted as 24; 14 factored (11 as ops), counted as 16.
+        A smaller weight (float32 moments) is counted as 8. tests/test_host_offload.py checks the
+        bound."""
         n = int(np.prod(shape))
         if n < self.min_8bit_size:
             return 8 * n

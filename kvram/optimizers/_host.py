@@ -104,9 +104,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     `build` refuses, before it allocates anything, a host whose free memory (Linux's
     MemAvailable) is smaller than the masters, the state, a step's gradient copies and the working
     copies of the update of its largest run of weights (`AdamW8bit.working_bytes`), with the
-    numbers; and, where host
-    memory is pinned (`kvram.speed.pin_host_memory`, which `import kvram` applies where there is a
-    GPU), a need above TensorFlow's pinned allocator's limit (64 GiB unless
+    numbers; and, where host memory is pinned (`kvram.speed.pin_host_memory`, which `import kvram`
+    applies where there is a GPU), a need above TensorFlow's pinned allocator's limit (64 GiB unless
     TF_GPU_HOST_MEM_LIMIT_IN_MB is set before TensorFlow starts), saying what to set. The masters and
     the state are the optimizer's variables: `model.save` and TensorFlow checkpoints keep them,
     and loading puts them back bit for bit.
