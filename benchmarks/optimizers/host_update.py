@@ -34,27 +34,14 @@ def working_bytes(name: str, jit: bool, parameters: int) -> int:
     `parameters` float32 values in 4 variables, as `_host.update_rate` updates them: the memory the
     update works in beyond its variables, gradients and state."""
     import kvram  # first: CPU allocator statistics (TF_ENABLE_ONEDNN_OPTS)
+    from kvram.optimizers import _host
 
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
-    rng = np.random.default_rng(0)
-    shape = (max(1, parameters // 4 // 1024), 1024)
-    with tf.device("/CPU:0"):
-        optimizer = _optimizer(name)
-        variables = [keras.Variable(rng.normal(size=shape).astype("float32")) for _ in range(4)]
-        gradients = [tf.constant(rng.normal(size=shape).astype("float32") * 1e-3) for _ in range(4)]
-        optimizer.build(variables)
-        step = tf.function(lambda g: optimizer.apply(g, variables), jit_compile=jit)
-        for _ in range(2):
-            step(gradients)
-        variables[0].numpy()
-        kvram.memory.reset_peak("CPU:0")
-        before = kvram.memory.current_bytes("CPU:0")
-        step(gradients)
-        variables[0].numpy()
-        return kvram.memory.peak_bytes("CPU:0") - before
+    update, wait, _ = _host.sample_update(_optimizer(name), parameters, jit_compile=jit)
+    kvram.memory.reset_peak("CPU:0")
+    before = kvram.memory.current_bytes("CPU:0")
+    update()
+    wait()
+    return kvram.memory.peak_bytes("CPU:0") - before
 
 
 def measure(name: str, jit: bool, parameters: int, updates: int) -> dict:

@@ -410,6 +410,19 @@ def update_rate(optimizer, parameters: int = 2**22, updates: int = 3, jit_compil
     """Parameters per second this host's cores update with a fresh copy of `optimizer` (a name or an
     instance, left as it is): `parameters` float32 values in 4 variables, `updates` timed updates
     after 2 untimed ones, as one XLA computation on the CPU with `jit_compile`."""
+    update, wait, count = sample_update(optimizer, parameters, jit_compile)
+    started = time.perf_counter()
+    for _ in range(updates):
+        update()
+    wait()  # for the last update
+    return count * updates / (time.perf_counter() - started)
+
+
+def sample_update(optimizer, parameters: int = 2**22, jit_compile: bool = True):
+    """A fresh copy of `optimizer` (a name or an instance, left as it is) over `parameters` float32
+    values in 4 variables on the host, after 2 updates: `(update, wait, count)`, `update()` running
+    one more (one XLA computation on the CPU with `jit_compile`), `wait()` until the last has ended,
+    `count` the values updated."""
     optimizer = keras.optimizers.get(optimizer)
     rng = np.random.default_rng(0)
     shape = (max(1, parameters // 4 // 1024), 1024)
@@ -421,14 +434,18 @@ def update_rate(optimizer, parameters: int = 2**22, updates: int = 3, jit_compil
         gradients = [tf.constant(rng.normal(size=shape).astype("float32") * 1e-3) for _ in range(4)]
         optimizer.build(variables)
         step = tf.function(lambda g: optimizer.apply(g, variables), jit_compile=jit_compile)
-        for _ in range(2):
+
+    def update():
+        with tf.device("/CPU:0"):
             step(gradients)
+
+    def wait():
         variables[0].numpy()
-        started = time.perf_counter()
-        for _ in range(updates):
-            step(gradients)
-        variables[0].numpy()  # waits for the last update
-    return 4 * shape[0] * shape[1] * updates / (time.perf_counter() - started)
+
+    for _ in range(2):
+        update()
+    wait()
+    return update, wait, 4 * shape[0] * shape[1]
 
 
 def _copy(gradient):
