@@ -1,9 +1,11 @@
-"""The tables of README.md, docs/benchmarks.md and the data guide are the committed results'
+"""The tables of README.md, docs/benchmarks.md and the data and training guides are the committed results'
 numbers: `python -m benchmarks.report` renders them from benchmarks/results/, and the committed
 pages must equal the rendering (benchmarks/report.py)."""
 
 import os
 import re
+
+import pytest
 
 from benchmarks import report
 
@@ -20,20 +22,16 @@ def test_the_readme_headline_table_is_rendered_from_the_results():
     assert text == report.readme(text), "run python -m benchmarks.report"
 
 
-def test_the_data_guide_table_is_rendered_from_the_results():
-    with open(report.DATA_GUIDE) as f:
+@pytest.mark.parametrize("path,render,row", [
+    (report.DATA_GUIDE, report.data_guide, "| `to_tf_dataset`, first epoch (checksums checked) |"),
+    (report.TRAINING_GUIDE, report.training_guide, "| 8.03 B (32, 4096, 128256) | host update, 8 rows in 8 slices,"),
+], ids=["data", "training"])
+def test_a_guides_table_is_rendered_from_the_results(path, render, row):
+    with open(path) as f:
         text = f.read()
     assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
-    assert text == report.data_guide(text), "run python -m benchmarks.report"
-    assert "| `to_tf_dataset`, first epoch (checksums checked) |" in text
-
-
-def test_the_training_guide_offload_table_is_rendered_from_the_results():
-    with open(report.TRAINING_GUIDE) as f:
-        text = f.read()
-    assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
-    assert text == report.training_guide(text), "run python -m benchmarks.report"
-    assert "| 8.03 B (32, 4096, 128256) | host update, 8 rows in 8 slices," in text
+    assert text == render(text), "run python -m benchmarks.report"
+    assert row in text
 
 
 def test_every_row_of_the_headline_names_a_configuration_of_its_result():
