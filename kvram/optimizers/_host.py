@@ -202,11 +202,12 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         """(masters, gradient copies, state, update's working copies) bytes of `var_list`, and
         whether the state's is exact."""
         shapes = [tuple(v.shape) for v in var_list]
+        sizes = [int(np.prod(shape)) for shape in shapes]
         state, exact = _state_bytes(self.inner_optimizer, shapes)
-        masters = 4 * sum(int(np.prod(v.shape)) for v in var_list)
+        masters = 4 * sum(sizes)
         # with update_device the gradients stay on the device, where the update works
-        copies = 0 if self.update_device else sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in var_list)
-        runs = _runs([int(np.prod(shape)) for shape in shapes], self.groups) if shapes else []
+        copies = 0 if self.update_device else sum(n * tf.as_dtype(v.dtype).size for n, v in zip(sizes, var_list))
+        runs = _runs(sizes, self.groups) if shapes else []
         working = 0 if self.update_device else max(
             (_working_bytes(self.inner_optimizer, [shapes[i] for i in run], self.jit_compile) for run in runs),
             default=0)
