@@ -584,6 +584,48 @@ def test_lean_rms_norm_and_silu_equal_kerashubs_llama(policy):
         keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_outside_xla_in_a_step_of_compiled_parts_the_lean_norms_compile_themselves(norm):
+    """Traced outside XLA within `compiled_blocks()` (host_offload's step: a decoder's final norm
+    runs between its compiled blocks and its head), a lean norm's forward and backward passes are
+    XLA computations of their own: the step's graph holds no TensorFlow op with a float32 result of
+    the input's shape (it held 15 for the RMS norm, 20 for LayerNormalization; Llama-3-8B's final
+    norm at 65,536 tokens cast a 1 GiB float32 copy there and ran a 24 GiB GPU out of memory), and
+    the values are those the norm computes elsewhere (a bfloat16 rounding)."""
+    from kvram.layers import _compiling
+    from kvram.layers.lean import lean_layer_norm, lean_rms_norm
+
+    rows, d = 64, 32
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((rows, d)), tf.bfloat16)
+    dy = tf.constant(rng.standard_normal((rows, d)), tf.bfloat16)
+    scale = tf.constant(rng.normal(1.0, 0.3, d), tf.float32)
+    beta = tf.constant(rng.normal(0.0, 0.3, d), tf.float32)
+
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch([x, scale])
+            if norm == "rms":
+                y = lean_rms_norm(x, scale, 1e-5, tf.bfloat16)
+            else:
+                y = lean_layer_norm(x, scale, beta, 1e-5)
+        return [y] + tape.gradient(y, [x, scale], output_gradients=dy)
+
+    with _compiling.compiled_blocks():
+        function = tf.function(step)
+        graph = function.get_concrete_function().graph
+        compiled = function()
+    large = [op.name for op in graph.get_operations() for t in op.outputs
+             if t.dtype == tf.float32 and t.shape.as_list() == [rows, d]]
+    assert large == []
+    calls = [op for op in graph.get_operations() if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+    assert len(calls) == 2 and all(op.get_attr("_XlaMustCompile") for op in calls)
+    plain = tf.function(step)()
+    assert [t.dtype for t in compiled] == [t.dtype for t in plain]
+    for a, b in zip(compiled, plain):
+        np.testing.assert_allclose(tf.cast(a, tf.float32).numpy(), tf.cast(b, tf.float32).numpy(), rtol=2e-2, atol=2e-2)
+
+
 def _llama(policy="float32"):
     import keras_hub
 

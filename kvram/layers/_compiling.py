@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import tensorflow as tf
+
 _compiling = threading.local()
 
 
@@ -45,6 +47,15 @@ def compiling_blocks() -> bool:
     """Whether this thread traces within `compiled_blocks()`: a step that runs in TensorFlow's
     executor while its parts compile with XLA one by one."""
     return getattr(_compiling, "on", False)
+
+
+def alone_in_xla(x) -> bool:
+    """Whether `x` is traced into a graph outside XLA whose parts compile with XLA by themselves
+    (within `compiled_blocks()`): a part that would make float32 copies of a large tensor as
+    TensorFlow ops (the fused head, the lean norms) compiles itself there."""
+    from kvram._order import in_xla
+
+    return compiling_blocks() and not tf.executing_eagerly() and not in_xla(x)
 
 
 def block_inputs_host():

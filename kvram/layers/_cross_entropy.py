@@ -22,7 +22,7 @@ from tensorflow.compiler.tf2xla.python import xla
 from tensorflow.python.eager import record
 
 from kvram._order import in_xla
-from kvram.layers._compiling import compiling_blocks
+from kvram.layers._compiling import alone_in_xla
 from kvram.layers.attention import _product
 
 __all__ = ["linear_cross_entropy", "Head", "head_of", "REDUCTIONS"]
@@ -170,12 +170,6 @@ def linear_cross_entropy(hidden, kernel, labels, weights=None, bias=None, transp
         return total, grad
 
     return fused(*inputs)
-
-
-def alone_in_xla(x) -> bool:
-    """Whether `x` is traced into a graph outside XLA whose parts compile with XLA by themselves
-    (`kvram.layers._compiling.compiled_blocks`)."""
-    return compiling_blocks() and not tf.executing_eagerly() and not in_xla(x)
 
 
 class Head:

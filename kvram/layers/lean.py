@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from kvram._order import after
+from kvram.layers._compiling import alone_in_xla
 
 
 def _exact_value(x):
@@ -92,25 +93,42 @@ def lean_layer_norm(x, gamma, beta, epsilon):
     x = tf.convert_to_tensor(x)
     axes = list(range(x.shape.rank - 1))
 
-    @tf.custom_gradient
-    def normalise(x, gamma, beta):
+    def forward(x, gamma, beta):
         x32 = tf.cast(x, tf.float32)
         mean = tf.reduce_mean(x32, axis=-1, keepdims=True)
         rstd = tf.math.rsqrt(tf.reduce_mean(tf.square(x32 - mean), axis=-1, keepdims=True) + epsilon)
         y = (x32 - mean) * rstd * tf.cast(gamma, tf.float32) + tf.cast(beta, tf.float32)
+        return tf.cast(y, x.dtype), mean, rstd
 
-        def gradient(dy):
-            dy32 = tf.cast(dy, tf.float32)
-            xhat = (tf.cast(x, tf.float32) + after(dy) - mean) * rstd
-            d_gamma = tf.reduce_sum(dy32 * xhat, axis=axes)
-            d_beta = tf.reduce_sum(dy32, axis=axes)
-            g = dy32 * tf.cast(gamma, tf.float32)
-            dx = rstd * (g - tf.reduce_mean(g, -1, keepdims=True) - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
-            return tf.cast(dx, x.dtype), tf.cast(d_gamma, gamma.dtype), tf.cast(d_beta, beta.dtype)
+    def backward(x, gamma, beta, mean, rstd, dy):
+        dy32 = tf.cast(dy, tf.float32)
+        xhat = (tf.cast(x, tf.float32) + after(dy) - mean) * rstd
+        d_gamma = tf.reduce_sum(dy32 * xhat, axis=axes)
+        d_beta = tf.reduce_sum(dy32, axis=axes)
+        g = dy32 * tf.cast(gamma, tf.float32)
+        dx = rstd * (g - tf.reduce_mean(g, -1, keepdims=True) - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
+        return tf.cast(dx, x.dtype), tf.cast(d_gamma, gamma.dtype), tf.cast(d_beta, beta.dtype)
 
-        return tf.cast(y, x.dtype), gradient
+    forward, backward = _fused_outside_xla(x, forward, backward)
+
+    @tf.custom_gradient
+    def normalise(x, gamma, beta):
+        y, mean, rstd = forward(x, gamma, beta)
+        return y, lambda dy: backward(x, gamma, beta, mean, rstd, dy)
 
     return normalise(x, gamma, beta)
+
+
+def _fused_outside_xla(x, *functions):
+    """`functions`, each compiled with XLA by itself where `x` is traced outside XLA in a step whose
+    parts compile one by one (`kvram.Model(host_offload=True)`: a decoder's final norm runs between
+    its compiled blocks and its head). As TensorFlow ops the norms make float32 copies of their
+    input and gradient: Llama-3-8B's final norm at 32 rows of 2048 tokens made 1 GiB ones, and a
+    24 GiB GPU ran out of memory casting one (benchmarks/results/optimizers_offload_8b_h100.json).
+    Elsewhere, as they are."""
+    if not alone_in_xla(x):
+        return functions
+    return tuple(tf.function(f, jit_compile=True, autograph=False) for f in functions)
 
 
 @keras.saving.register_keras_serializable(package="kvram")
@@ -143,21 +161,25 @@ def lean_rms_norm(x, scale, epsilon, dtype):
     x = tf.convert_to_tensor(x)
     axes = list(range(x.shape.rank - 1))
 
-    @tf.custom_gradient
-    def normalise(x, scale):
+    def forward(x, scale):
         x32 = tf.cast(x, tf.float32)
         rms = tf.math.rsqrt(tf.reduce_mean(tf.square(x32), axis=-1, keepdims=True) + epsilon)
-        y = x32 * rms * tf.cast(scale, tf.float32)
+        return tf.cast(x32 * rms * tf.cast(scale, tf.float32), dtype), rms
 
-        def gradient(dy):
-            dy32 = tf.cast(dy, tf.float32)
-            xhat = (tf.cast(x, tf.float32) + after(dy)) * rms
-            d_scale = tf.reduce_sum(dy32 * xhat, axis=axes)
-            g = dy32 * tf.cast(scale, tf.float32)
-            dx = rms * (g - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
-            return tf.cast(dx, x.dtype), tf.cast(d_scale, scale.dtype)
+    def backward(x, scale, rms, dy):
+        dy32 = tf.cast(dy, tf.float32)
+        xhat = (tf.cast(x, tf.float32) + after(dy)) * rms
+        d_scale = tf.reduce_sum(dy32 * xhat, axis=axes)
+        g = dy32 * tf.cast(scale, tf.float32)
+        dx = rms * (g - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
+        return tf.cast(dx, x.dtype), tf.cast(d_scale, scale.dtype)
 
-        return tf.cast(y, dtype), gradient
+    forward, backward = _fused_outside_xla(x, forward, backward)
+
+    @tf.custom_gradient
+    def normalise(x, scale):
+        y, rms = forward(x, scale)
+        return y, lambda dy: backward(x, scale, rms, dy)
 
     return normalise(x, tf.convert_to_tensor(scale))
 
