@@ -160,7 +160,7 @@ def readers(name: str = "data_io_cpu.json") -> str:
 
 # the training guide's host-offload runs: results of benchmarks/optimizers/capacity.py (a file is
 # one report, or holds reports), newest first
-OFFLOAD = ("optimizers_offload_8b_h100.json", "optimizers_offload_8b_32rows_h100.json",
+OFFLOAD = ("optimizers_offload_8b_32rows_h100.json", "optimizers_offload_8b_h100.json",
            "optimizers_offload_update_gpu_8b_width_h100.json", "optimizers_offload_parity_1b_h100.json",
            "optimizers_offload_update_gpu_1b_h100.json", "optimizers_offload_updates_h200.json")
 

@@ -123,9 +123,9 @@ def _fused_outside_xla(x, *functions):
     """`functions`, each compiled with XLA by itself where `x` is traced outside XLA in a step whose
     parts compile one by one (`kvram.Model(host_offload=True)`: a decoder's final norm runs between
     its compiled blocks and its head). As TensorFlow ops the norms make float32 copies of their
-    input and gradient: Llama-3-8B's final norm at 32 rows of 2048 tokens made 1 GiB ones, and a
-    24 GiB GPU ran out of memory casting one (benchmarks/results/optimizers_offload_8b_h100.json).
-    Elsewhere, as they are."""
+    input and gradient, 1 GiB each at Llama-3-8B's final norm over 32 rows of 2048 tokens, more
+    than a 24 GiB GPU had free in one piece there (compiled, that run trains:
+    benchmarks/results/optimizers_offload_8b_32rows_h100.json). Elsewhere, as they are."""
     if not alone_in_xla(x):
         return functions
     return tuple(tf.function(f, jit_compile=True, autograph=False) for f in functions)
