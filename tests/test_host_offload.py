@@ -203,7 +203,7 @@ def test_a_host_too_small_is_refused_with_the_numbers_before_anything_is_allocat
     with pytest.raises(MemoryError, match=rf"needs 0\.00 GiB .* {parameters:,} parameters.*has 0\.00 GiB free") as e:
         model.fit(x, y, verbose=0)
     assert ("a step's gradients (0.00 GiB), Adam's state (0.00 GiB) and its update's working copies (0.00 GiB, "
-            "for the largest of 1 run(s) of weights)") in str(e.value)
+            "for every weight at once)") in str(e.value)
     assert not model.optimizer.built and model.optimizer.masters == []
     need, _ = model.optimizer.required_host_bytes(model.trainable_variables)
     assert need == 16 * parameters  # float32 masters, float32 gradient copies and Adam's two moments
@@ -215,10 +215,11 @@ def test_a_host_too_small_is_refused_with_the_numbers_before_anything_is_allocat
 def test_an_updates_working_memory_stays_within_what_the_host_check_counts(inner, groups, jit):
     """Over one update of 1M bfloat16 weights on the host (after two), the CPU allocator's peak above
     what was in use stays within what `required_host_bytes` counts for it beyond masters and state:
-    the gradients' copies, the updated weights' values, and the working copies of the largest run
-    (AdamW8bit's 8-bit moments dequantized and requantized in float32), plus 1 MiB. Where the count
-    left the working copies out, a host too small for them was not refused (the update took 14 to 30
-    bytes per parameter of a run on top)."""
+    the gradients' copies, the updated weights' values, and the working copies of the update
+    (AdamW8bit's 8-bit moments dequantized and requantized in float32) of every weight, or with
+    groups of the largest weight, plus 1 MiB. Where the count left the working copies out, a host
+    too small for them was not refused (the update took 14 to 30 bytes per parameter of a run on
+    top; with groups=2, one computation a run exceeded one weight's count)."""
     with tf.device(DEVICE):
         weights = [keras.Variable(np.full((256, 1024), 0.01, np.float32), dtype="bfloat16", name=f"w{i}")
                    for i in range(4)]

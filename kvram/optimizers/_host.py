@@ -103,7 +103,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
 
     `build` refuses, before it allocates anything, a host whose free memory (Linux's
     MemAvailable) is smaller than the masters, the state, a step's gradient copies and the working
-    copies of the update of its largest run of weights (`AdamW8bit.working_bytes`), with the
+    copies of its update (`AdamW8bit.working_bytes`: of every weight, or with `groups` of the
+    largest weight), with the
     numbers; and, where host memory is pinned (`kvram.speed.pin_host_memory`, which `import kvram`
     applies where there is a GPU), a need above TensorFlow's pinned allocator's limit (64 GiB unless
     TF_GPU_HOST_MEM_LIMIT_IN_MB is set before TensorFlow starts), saying what to set. The masters and
@@ -117,8 +118,9 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     `python benchmarks/optimizers/host_update.py`; benchmarks/results/optimizers_host_update_cpu.json).
 
     With `groups=k`, the weights (in the model's order) are cut into k runs of about equal size,
-    each updated by its own computation once its gradients are on the host and the run before it
-    is updated, the last run first: the gradients of a model's last blocks are made first, so the
+    each updated once its gradients are on the host and the run before it is updated, the last
+    run first, one weight after another (each weight's update its own computation, so that the
+    update works in one weight's float32 copies at a time, not a run's): the gradients of a model's last blocks are made first, so the
     host can update them, and copy their weights back, while the device computes the first blocks'
     gradients (not under a guard that skips non-finite steps, `kvram.Model(skip_nonfinite=True)`,
     or a `LossScaleOptimizer`: they wait for every gradient first). The step count moves once,
@@ -194,7 +196,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     def required_host_bytes(self, var_list) -> tuple[int, bool]:
         """(bytes the host needs for `var_list`: float32 masters, the optimizer's state, one
         step's gradient copies, in the weights' dtype, and the working copies of the update of
-        its largest run (neither with `update_device`); whether the state is known exactly)."""
+        every weight, or with `groups` of the largest weight (neither with `update_device`);
+        whether the state is known exactly)."""
         masters, copies, state, working, exact = self._host_parts(var_list)
         return masters + copies + state + working, exact
 
@@ -207,10 +210,10 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         masters = 4 * sum(sizes)
         # with update_device the gradients stay on the device, where the update works
         copies = 0 if self.update_device else sum(n * tf.as_dtype(v.dtype).size for n, v in zip(sizes, var_list))
-        runs = _runs(sizes, self.groups) if shapes else []
-        working = 0 if self.update_device else max(
-            (_working_bytes(self.inner_optimizer, [shapes[i] for i in run], self.jit_compile) for run in runs),
-            default=0)
+        # one update of every weight, or (groups) one weight's update at a time
+        parts = [shapes] if self.groups == 1 else [[shape] for shape in shapes]
+        working = 0 if self.update_device or not shapes else max(
+            _working_bytes(self.inner_optimizer, part, self.jit_compile) for part in parts)
         return masters, copies, state, working, exact
 
     def _check_host(self, var_list) -> None:
@@ -220,8 +223,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         name = type(self.inner_optimizer).__name__
         what = (f"HostOffload needs {_gib(need)} of host memory for {masters // 4:,} parameters: float32 master "
                 f"weights ({_gib(masters)}), a step's gradients ({_gib(copies)}), {name}'s state "
-                f"({_gib(state)}{how}) and its update's working copies ({_gib(working)}, for the largest of "
-                f"{self.groups} run(s) of weights); ")
+                f"({_gib(state)}{how}) and its update's working copies ({_gib(working)}, "
+                f"{'for every weight at once' if self.groups == 1 else 'for the largest weight'}); ")
         if free is not None and need > free:
             raise MemoryError(
                 f"{what}the host has {_gib(free)} free (MemAvailable). Nothing was allocated. Free host memory, use "
@@ -289,9 +292,17 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                 # Each run's reads of its masters and state wait for its gradients and for the run
                 # before it: without, TensorFlow's executor reads (on update_device: copies there)
                 # every run's at the step's start, all of them at once.
-                with tf.control_dependencies(_made(grads) + values):
-                    values = self._host_update([masters[i] for i in run], tuple(pairs[i][1].dtype for i in run),
-                                               whole=whole)(grads)
+                if whole:
+                    with tf.control_dependencies(_made(grads) + values):
+                        values = self._host_update(masters, tuple(v.dtype for _, v in pairs))(grads)
+                else:
+                    # one weight at a time, each its own computation after the one before: the
+                    # update's working copies are one weight's, not the run's
+                    after, values = _made(grads) + values, []
+                    for i, gradient in zip(run, grads):
+                        with tf.control_dependencies(after):
+                            values += self._host_update([masters[i]], (pairs[i][1].dtype,), whole=False)([gradient])
+                        after = values[-1:]
             for i, value in zip(run, values):
                 pairs[i][1].assign(value)  # cast where updated: from the host, bfloat16 crosses as 2 bytes
         if not whole:
