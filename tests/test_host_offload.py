@@ -360,6 +360,39 @@ def test_row_chunked_blocks_make_each_gradient_once_a_step_and_train_as_the_whol
     assert sum("backward" in name for name in compiled) == 3, compiled  # one per block
 
 
+def test_a_host_without_room_for_the_block_inputs_a_step_keeps_is_refused_as_it_is_traced(monkeypatch):
+    """block_inputs="host": `build` counts the masters, state, gradient copies and working copies;
+    the step, as it is traced (before anything of it runs), counts the block inputs it keeps on the
+    host beside its gradient copies and working copies, and refuses a host without room for them
+    (MemAvailable, or the pinned allocator's limit with the masters and state), with the numbers;
+    no weight changes. With room, it traces."""
+    x, y = _data()
+    with tf.device(DEVICE):
+        model = _blocks_model(dropout=0.0, row_chunks=4, host_offload=True)
+        offload = HostOffload(_adamw(), block_inputs="host")
+        model.compile(offload, "mse", jit_compile=True, steps_per_execution=1)
+        offload.build(model.trainable_variables)
+    before = model.get_weights()
+    masters, copies, state, working, _ = offload._host_parts(model.trainable_variables)
+    kept = 3 * 16 * 32 * 4  # three blocks' inputs: 16 rows of 32 float32 values each
+    monkeypatch.setattr(_host, "available_host_bytes", lambda: copies + working + kept - 1)
+    with tf.device(DEVICE), pytest.raises(MemoryError, match=(
+            r"this step keeps 3 blocks' inputs on the host \(0\.00 GiB\); with a step's gradients .* the host has "
+            r"0\.00 GiB free \(MemAvailable\)\. No step has run\. Allowed: fewer rows a step")):
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert (offload.kept_block_inputs, offload.kept_block_input_bytes) == (3, kept)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(b, a)
+    monkeypatch.setattr(_host, "available_host_bytes", lambda: copies + working + kept)
+    monkeypatch.setattr(_host, "pinned_host_limit", lambda: masters + state + copies + working + kept - 1)
+    batch = (tf.constant(x[:16]), tf.constant(y[:16]))
+    with tf.device(DEVICE), pytest.raises(MemoryError, match=r"pinned allocator holds at most .* No step has run"):
+        tf.function(model.train_step, autograph=False).get_concrete_function(batch)
+    monkeypatch.setattr(_host, "pinned_host_limit", lambda: masters + state + copies + working + kept)
+    with tf.device(DEVICE):
+        tf.function(model.train_step, autograph=False).get_concrete_function(batch)  # traced, with room for it
+
+
 @pytest.mark.slow  # XLA compiles per block
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
 @pytest.mark.parametrize("row_chunks", [1, 4])

@@ -32,15 +32,19 @@ def compiled_blocks(inputs_host=None):
 
 class _Record:
     """What `compiled_blocks()` saw traced within it: `kept_inputs`, the blocks that kept their
-    inputs on the host."""
+    inputs on the host, and `kept_bytes`, those inputs' size."""
 
     def __init__(self):
         self.kept_inputs = 0
+        self.kept_bytes = 0
 
 
-def kept_inputs_on_host() -> None:
-    """A row-chunked block traced within `compiled_blocks()` keeps its inputs on the host."""
-    _compiling.record.kept_inputs += 1
+def kept_inputs_on_host(inputs) -> None:
+    """A row-chunked block traced within `compiled_blocks()` keeps its `inputs` (of known shapes)
+    on the host."""
+    record = _compiling.record
+    record.kept_inputs += 1
+    record.kept_bytes += sum((t.shape.num_elements() or 0) * t.dtype.size for t in inputs)
 
 
 def compiling_blocks() -> bool:

@@ -392,7 +392,7 @@ def _row_chunked(forward, chunks: int, n_in: int, state, compiled: bool = False,
                 # comes back, and the device then keeps the input; Snapshot passes on its buffer uncopied
                 with tf.device(inputs_host):
                     kept = [tf.raw_ops.Snapshot(input=t, name="block_input_to_host") for t in inputs]
-                _compiling.kept_inputs_on_host()
+                _compiling.kept_inputs_on_host(inputs)
 
         def gradient(*dresult, variables=None):
             variables = list(variables or [])

@@ -147,7 +147,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     over its 32 blocks. Each crosses twice a step; training is unchanged (`tests/test_host_offload.py`).
     What it costs in time on a GPU is not measured. A step that keeps no block's input there (no such
     block, no XLA, `micro_batch_size`, a plain `keras.Model`) is refused as it is traced, before any
-    weight changes.
+    weight changes; so is one whose block inputs, gradient copies and update's working copies the
+    host has no room for beside the masters and state (MemAvailable then, or the pinned limit).
 
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` that computes the update.
@@ -188,6 +189,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         self.host = host
         self.block_inputs = block_inputs
         self.kept_block_inputs = 0  # the blocks whose inputs the step being traced keeps here
+        self.kept_block_input_bytes = 0  # and those inputs' bytes
         self.update_device = update_device
         self.jit_compile = bool(jit_compile)
         self.groups = groups
@@ -238,6 +240,26 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                 "before TensorFlow starts (its first operation), or KVRAM_PIN_HOST_MEMORY=0 (pageable host memory: "
                 "slower copies).")
 
+    def _check_step_host(self, variables) -> None:
+        """Refuses, as the step is traced (before it runs), a host without room for what the step
+        adds to the masters and state `build` allocated: the block inputs it keeps there, its
+        gradient copies and its update's working copies; with the numbers."""
+        masters, copies, state, working, _ = self._host_parts(variables)
+        kept = self.kept_block_input_bytes
+        step, free, pinned = kept + copies + working, available_host_bytes(), pinned_host_limit()
+        what = (f'HostOffload(block_inputs="host"): this step keeps {self.kept_block_inputs} blocks\' inputs on the '
+                f"host ({_gib(kept)}); with a step's gradients ({_gib(copies)}) and its update's working copies "
+                f"({_gib(working)}) it needs {_gib(step)} beyond the masters and state ({_gib(masters + state)}, "
+                "allocated); ")
+        allowed = 'Allowed: fewer rows a step, or block_inputs="device".'
+        if free is not None and step > free:
+            raise MemoryError(f"{what}the host has {_gib(free)} free (MemAvailable). No step has run. {allowed}")
+        if pinned is not None and masters + state + step > pinned:
+            raise MemoryError(
+                f"{what}host memory is pinned and TensorFlow's pinned allocator holds at most {_gib(pinned)}. No "
+                f"step has run. Set {_PINNED_ENV} (MiB) above {-(-(masters + state + step) // 2**20)}, with room for "
+                f"the program's other host tensors, before TensorFlow starts. {allowed}")
+
     @keras.src.utils.tracking.no_automatic_dependency_tracking
     def build(self, var_list):
         self._check_host(var_list)
@@ -281,6 +303,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                 'block_inputs="host" keeps the inputs of kvram.layers.Checkpoint(row_chunks=k) blocks (k >= 1) '
                 "on the host, in the step of kvram.Model(host_offload=True) compiled with XLA (jit_compile), "
                 "without micro_batch_size; this step kept none. Allowed: block_inputs=\"device\", or such a model.")
+        if self.block_inputs == "host":
+            self._check_step_host(variables)
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         masters = [self._master_of[self._var_key(v)] for _, v in pairs]
         whole = self.groups == 1

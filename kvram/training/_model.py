@@ -266,7 +266,8 @@ class Model(keras.Model):
         if offload is not None:
             self._kvram_slice_jit = bool(self.jit_compile)
             self.jit_compile = False
-            offload.kept_block_inputs = 0  # counted again by this compile's step (block_inputs="host")
+            # counted again by this compile's step (block_inputs="host")
+            offload.kept_block_inputs = offload.kept_block_input_bytes = 0
         if auto:  # saved as given, so a loaded model resolves it again
             self._compile_config.config["steps_per_execution"] = _execution.AUTO
         if inner is None:

@@ -390,7 +390,7 @@ def offloaded_gradients(model, state, x, y, sample_weight):
         with _compiling.compiled_blocks(inputs_host=host) as blocks:
             result = slice_gradients(model, x, y, sample_weight)
         if offload is not None:
-            offload.kept_block_inputs = blocks.kept_inputs
+            offload.kept_block_inputs, offload.kept_block_input_bytes = blocks.kept_inputs, blocks.kept_bytes
         return result
     return slice_function(model, state)(x, y, sample_weight)
 
