@@ -365,7 +365,8 @@ def test_a_host_without_room_for_the_block_inputs_a_step_keeps_is_refused_as_it_
     the step, as it is traced (before anything of it runs), counts the block inputs it keeps on the
     host beside its gradient copies and working copies, and refuses a host without room for them
     (MemAvailable, or the pinned allocator's limit with the masters and state), with the numbers;
-    no weight changes. With room, it traces."""
+    no weight changes. With room, it traces; the count is that step's alone (a plain keras.Model's
+    step given the same optimizer afterwards keeps none, and is refused)."""
     x, y = _data()
     with tf.device(DEVICE):
         model = _blocks_model(dropout=0.0, row_chunks=4, host_offload=True)
@@ -391,6 +392,14 @@ def test_a_host_without_room_for_the_block_inputs_a_step_keeps_is_refused_as_it_
     monkeypatch.setattr(_host, "pinned_host_limit", lambda: masters + state + copies + working + kept)
     with tf.device(DEVICE):
         tf.function(model.train_step, autograph=False).get_concrete_function(batch)  # traced, with room for it
+    # the count is the traced step's own: a plain keras.Model's step, which keeps none, is refused
+    assert (offload.kept_block_inputs, offload.kept_block_input_bytes) == (0, 0)
+    with tf.device(DEVICE):
+        inputs = keras.Input((12,))
+        plain = keras.Model(inputs, model(inputs))
+        plain.compile(offload, "mse", jit_compile=False)
+        with pytest.raises(ValueError, match=r"this step kept none"):
+            plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
 
 
 @pytest.mark.slow  # XLA compiles per block

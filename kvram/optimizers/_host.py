@@ -305,6 +305,9 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                 "without micro_batch_size; this step kept none. Allowed: block_inputs=\"device\", or such a model.")
         if self.block_inputs == "host":
             self._check_step_host(variables)
+            # counted again as the next step is traced: one that keeps none (a plain keras.Model given
+            # this optimizer after a kvram.Model) is refused, not run on this count
+            self.kept_block_inputs = self.kept_block_input_bytes = 0
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         masters = [self._master_of[self._var_key(v)] for _, v in pairs]
         whole = self.groups == 1
