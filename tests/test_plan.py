@@ -129,6 +129,13 @@ def test_estimate_with_nothing_that_fits():
     assert state["masters"] == 4 * sum(int(np.prod(v.shape)) for v in small_model().trainable_variables)
     assert state["host_update_parameters_per_s"] > 0
     assert "with kvram.Model(host_offload=True)" in str(found) and " per update beside the copies" in str(found)
+    # and what HostOffload would need of this host, beside what it has free
+    from kvram.optimizers import HostOffload
+
+    need, _ = HostOffload(keras.optimizers.Adam()).required_host_bytes(small_model().trainable_variables)
+    assert state["host_need"] == need > state["masters"] and state["host_available"] > 0
+    assert state["host_need_groups"] == need  # Keras's Adam updates in place: no working copies either way
+    assert f"the host needs {remat._checker._size(need)} for it" in str(found), str(found)
     # the variables alone are over 100 kB: no step is checked, each row says so
     messages = [message for _, message in found.log]
     assert not any("checked" in m and "not checked" not in m for m in messages), messages
@@ -1259,6 +1266,23 @@ def test_where_nothing_fits_the_table_says_whether_8_bit_moments_would():
         "parameters/s, adds 100 ms per update beside the copies)" in str(remat.Estimate.from_json(report))
     report["state"]["float32"]["host_update_parameters_per_s"] = 2**17 / 12.34
     assert "adds 12.3 s per update" in str(remat.Estimate.from_json(report))
+    # what HostOffload would need of the host, and whether the host has it
+    report["state"]["float32"]["host_need"] = 3 * 2**20
+    assert "adds 12.3 s per update beside the copies); the host needs 3.0 MiB for it (HostOffload's defaults: the " \
+        "masters, the state, a step's gradient copies, the update's working copies)\n" in \
+        str(remat.Estimate.from_json(report)) + "\n"
+    report["state"]["float32"]["host_available"] = 2 * 2**20
+    assert "working copies), and has 2.0 MiB free: too little, HostOffload would refuse it" in \
+        str(remat.Estimate.from_json(report))
+    # with groups the update works on one weight at a time: less, which this host has
+    report["state"]["float32"]["host_need_groups"] = 3 * 2**19
+    assert "working copies), 1.5 MiB with HostOffload(groups=k), k >= 2 (the update then works on one weight at " \
+        "a time), and has 2.0 MiB free\n" in str(remat.Estimate.from_json(report)) + "\n"
+    # where host memory is pinned, the pinned allocator's limit too
+    report["state"]["float32"]["host_pinned_limit"] = 2**20
+    assert "and has 2.0 MiB free; host memory is pinned here, and TensorFlow's pinned allocator holds at most " \
+        "1.0 MiB: set TF_GPU_HOST_MEM_LIMIT_IN_MB (MiB) above 2 before TensorFlow starts" in \
+        str(remat.Estimate.from_json(report))
     report["configurations"][1]["predicted_peak_bytes"] = 3 * 2**20
     assert "would take 2.2 MiB and still does not fit" in str(remat.Estimate.from_json(report))
     assert "would take 2.0 MiB and still does not fit (predicted, not checked; the host" \

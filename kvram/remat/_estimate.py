@@ -202,7 +202,8 @@ class Estimate:
     def _eight_bit_lines(self) -> list:
         """Where nothing fits: what 8-bit moments would save under Adam or AdamW,
         and whether each precision's least-memory row would then fit; what
-        `kvram.Model(host_offload=True)` would move to the host; and the most that
+        `kvram.Model(host_offload=True)` would move to the host, and what the
+        host would need for it beside what it has free; and the most that
         `kvram.Model(update_in_backward=True)` could save (predicted)."""
         lines, limit = [], (1 - self.margin) * self.memory_bytes
         for precision, st in self.state.items():
@@ -224,10 +225,26 @@ class Estimate:
                 took = (f"; the host's update of {parameters:,} parameters, measured on this host at "
                         f"{rate / 1e6:.0f}M parameters/s, adds {_duration(parameters / rate)} per update beside the copies"
                         if rate else "; the host update's time is not predicted")
+                host = ""
+                if "host_need" in st:
+                    need, free = st["host_need"], st.get("host_available")
+                    grouped = st.get("host_need_groups", need)
+                    host = (f"; the host needs {_size(need)} for it (HostOffload's defaults: the masters, the state, "
+                            "a step's gradient copies, the update's working copies)" + (
+                                f", {_size(grouped)} with HostOffload(groups=k), k >= 2 (the update then works on "
+                                "one weight at a time)" if grouped < need else "") + (
+                                "" if free is None else f", and has {_size(free)} free" + (
+                                    ": too little, HostOffload would refuse it" if min(need, grouped) > free
+                                    else "")))
+                    pinned = st.get("host_pinned_limit")
+                    if pinned is not None and min(need, grouped) > pinned:
+                        host += (f"; host memory is pinned here, and TensorFlow's pinned allocator holds at most "
+                                 f"{_size(pinned)}: set {_host._PINNED_ENV} (MiB) above {-(-min(need, grouped) // 2**20)}"
+                                 " before TensorFlow starts")
                 lines.append(f"{precision} with kvram.Model(host_offload=True): the optimizer state "
                              f"({_size(st['optimizer'])}) moves to host memory, beside "
                              f"{_size(st['masters'])} of float32 master weights; the least-memory row would take "
-                             f"{_size(least - st['optimizer'])} and {verdict} (predicted, not checked{took})")
+                             f"{_size(least - st['optimizer'])} and {verdict} (predicted, not checked{took}){host}")
             if st.get("gradients"):
                 verdict = ("still does not fit" if least - st["gradients"] > limit
                            else "might fit: train to see")
@@ -380,8 +397,13 @@ def estimate(
     if recommended is None and any(st.get("optimizer") for st in states.values()):
         # what host_offload's update would cost here: measured on this host's cores
         rate = _host.update_rate(_plan.optimizer_from(optimizer if optimizer is not None else "adam"))
+        free, pinned = _host.available_host_bytes(), _host.pinned_host_limit()
         for st in states.values():
             st["host_update_parameters_per_s"] = rate
+            if free is not None:
+                st["host_available"] = free
+            if pinned is not None:
+                st["host_pinned_limit"] = pinned
     log("done" + (f": recommended {recommended.precision}, micro-batch "
                   f"{recommended.micro_batch_size or '-'}, remat {recommended.remat}" if recommended else
                   ": nothing fits"))
@@ -413,8 +435,16 @@ def _configurations(model, precision, batch_size, micro_batch_sizes, probe_rows,
     eight_bit = _plan.eight_bit_alternative(optimizer)
     if eight_bit is not None:  # its state, for the table's line when nothing fits
         state["optimizer_8bit"] = _plan._optimizer_bytes(model, eight_bit)
-    # host_offload's float32 master weights, for the same line
+    # host_offload's float32 master weights, and what HostOffload (its defaults) would need of the host, for
+    # the same line
     state["masters"] = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    inner = _plan.optimizer_from(optimizer if optimizer is not None else "adam")
+    state["host_need"] = _host.HostOffload(inner).required_host_bytes(model.trainable_variables)[0]
+    try:  # with groups the update works on one weight at a time (refused where it needs every gradient)
+        state["host_need_groups"] = _host.HostOffload(inner, groups=2).required_host_bytes(
+            model.trainable_variables)[0]
+    except ValueError:
+        pass
     configurations = []
     for micro in [None] + list(micro_batch_sizes):
         rows = micro or batch_size
