@@ -8,6 +8,8 @@ import threading
 
 import tensorflow as tf
 
+from kvram._order import in_xla
+
 _compiling = threading.local()
 
 
@@ -57,8 +59,6 @@ def alone_in_xla(x) -> bool:
     """Whether `x` is traced into a graph outside XLA whose parts compile with XLA by themselves
     (within `compiled_blocks()`): a part that would make float32 copies of a large tensor as
     TensorFlow ops (the fused head, the lean norms) compiles itself there."""
-    from kvram._order import in_xla
-
     return compiling_blocks() and not tf.executing_eagerly() and not in_xla(x)
 
 

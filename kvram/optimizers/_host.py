@@ -228,17 +228,9 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                 f"weights ({_gib(masters)}), a step's gradients ({_gib(copies)}), {name}'s state "
                 f"({_gib(state)}{how}) and its update's working copies ({_gib(working)}, "
                 f"{'for every weight at once' if self.groups == 1 else 'for the largest weight'}); ")
-        if free is not None and need > free:
-            raise MemoryError(
-                f"{what}the host has {_gib(free)} free (MemAvailable). Nothing was allocated. Free host memory, use "
-                "a smaller state (kvram.optimizers.AdamW8bit: about 2 bytes per parameter), or train fewer weights.")
-        if pinned is not None and need > pinned:
-            raise MemoryError(
-                f"{what}host memory is pinned (kvram.speed.pin_host_memory) and TensorFlow's pinned allocator "
-                f"holds at most {_gib(pinned)} ({_PINNED_ENV}, 64 GiB unless set). Nothing was allocated. Set "
-                f"{_PINNED_ENV} (MiB) above {-(-need // 2**20)}, with room for the program's other host tensors, "
-                "before TensorFlow starts (its first operation), or KVRAM_PIN_HOST_MEMORY=0 (pageable host memory: "
-                "slower copies).")
+        _refuse_without_room(what, need, free, need, pinned, "Nothing was allocated.",
+                             "Free host memory, use a smaller state (kvram.optimizers.AdamW8bit: about 2 bytes per "
+                             "parameter), or train fewer weights.")
 
     def _check_step_host(self, variables) -> None:
         """Refuses, as the step is traced (before it runs), a host without room for what the step
@@ -251,14 +243,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                 f"host ({_gib(kept)}); with a step's gradients ({_gib(copies)}) and its update's working copies "
                 f"({_gib(working)}) it needs {_gib(step)} beyond the masters and state ({_gib(masters + state)}, "
                 "allocated); ")
-        allowed = 'Allowed: fewer rows a step, or block_inputs="device".'
-        if free is not None and step > free:
-            raise MemoryError(f"{what}the host has {_gib(free)} free (MemAvailable). No step has run. {allowed}")
-        if pinned is not None and masters + state + step > pinned:
-            raise MemoryError(
-                f"{what}host memory is pinned and TensorFlow's pinned allocator holds at most {_gib(pinned)}. No "
-                f"step has run. Set {_PINNED_ENV} (MiB) above {-(-(masters + state + step) // 2**20)}, with room for "
-                f"the program's other host tensors, before TensorFlow starts. {allowed}")
+        _refuse_without_room(what, step, free, masters + state + step, pinned, "No step has run.",
+                             'Allowed: fewer rows a step, or block_inputs="device".')
 
     @keras.src.utils.tracking.no_automatic_dependency_tracking
     def build(self, var_list):
@@ -390,6 +376,24 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     def get_config(self):
         return {**super().get_config(), "host": self.host, "jit_compile": self.jit_compile, "groups": self.groups,
                 "update_device": self.update_device, "block_inputs": self.block_inputs}
+
+
+def pinned_setting(need: int) -> str:
+    """What to set for TensorFlow's pinned host allocator to hold `need` bytes."""
+    return f"{_PINNED_ENV} (MiB) above {-(-need // 2**20)}"
+
+
+def _refuse_without_room(what, need, free, pinned_need, pinned, done, allowed) -> None:
+    """Raises MemoryError (`what`, why, `done`, what to do) where `need` is over the host's `free`
+    memory (MemAvailable), or `pinned_need` over the pinned allocator's limit `pinned`; None: not known."""
+    if free is not None and need > free:
+        raise MemoryError(f"{what}the host has {_gib(free)} free (MemAvailable). {done} {allowed}")
+    if pinned is not None and pinned_need > pinned:
+        raise MemoryError(
+            f"{what}host memory is pinned (kvram.speed.pin_host_memory) and TensorFlow's pinned allocator "
+            f"holds at most {_gib(pinned)} ({_PINNED_ENV}, 64 GiB unless set). {done} Set "
+            f"{pinned_setting(pinned_need)}, with room for the program's other host tensors, before TensorFlow "
+            "starts (its first operation), or KVRAM_PIN_HOST_MEMORY=0 (pageable host memory: slower copies).")
 
 
 def _named_device(name, device_type=None) -> str | None:

@@ -239,8 +239,7 @@ class Estimate:
                     pinned = st.get("host_pinned_limit")
                     if pinned is not None and min(need, grouped) > pinned:
                         host += (f"; host memory is pinned here, and TensorFlow's pinned allocator holds at most "
-                                 f"{_size(pinned)}: set {_host._PINNED_ENV} (MiB) above {-(-min(need, grouped) // 2**20)}"
-                                 " before TensorFlow starts")
+                                 f"{_size(pinned)}: set {_host.pinned_setting(min(need, grouped))} before TensorFlow starts")
                 lines.append(f"{precision} with kvram.Model(host_offload=True): the optimizer state "
                              f"({_size(st['optimizer'])}) moves to host memory, beside "
                              f"{_size(st['masters'])} of float32 master weights; the least-memory row would take "
