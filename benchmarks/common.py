@@ -121,7 +121,7 @@ def whole_executions(steps: int, steps_per_execution: int) -> int:
     return -(-steps // steps_per_execution) * steps_per_execution
 
 
-def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
+def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",), last_loss: bool = False) -> dict:
     """Runs `warmup` steps, then `steps` timed steps of `model.fit(data)`, both
     rounded up to whole executions of the model's `steps_per_execution`.
 
@@ -132,6 +132,11 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     peak GiB TensorFlow allocated on each during the timed steps, and their
     wall-clock window (Unix seconds). The stage lines (stderr) say the first too, so
     that a run out of memory in its first step says what was resident.
+
+    That loss is Keras's: the mean over the timed steps. With `last_loss`, the mean
+    over the last execution's steps too (the last step's loss where
+    `steps_per_execution` is 1), from the running means Keras passes to
+    `on_train_batch_end`, which then waits for each execution.
     """
     import keras
     import tensorflow as tf
@@ -149,6 +154,14 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
         def on_epoch_end(self, epoch, logs=None):
             times["loss"] = float(logs["loss"])  # waits for the last step
             times["end"], times["end_epoch_s"] = time.perf_counter(), time.time()
+
+    class Last(Clock):
+        def on_epoch_begin(self, epoch, logs=None):
+            times["means"] = [(0, 0.0)]  # (steps so far, their mean loss): Keras's running mean
+            super().on_epoch_begin(epoch, logs)
+
+        def on_train_batch_end(self, batch, logs=None):
+            times["means"].append((batch + 1, float(logs["loss"])))
 
     spe = int(model.steps_per_execution or 1)
     if getattr(model, "_auto_steps_per_execution", False):  # kvram's "auto": what fit will take
@@ -173,8 +186,12 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
     for device in devices:
         if gib(device, "peak") is not None:
             tf.config.experimental.reset_memory_stats(device)
-    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Clock()])
+    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Last() if last_loss else Clock()])
     stage(f"timed steps done: {times['end'] - times['start']:.1f} s")
+    last = {}
+    if last_loss:  # the last execution's steps: the difference of the last two running totals
+        (n0, m0), (n1, m1) = times["means"][-2:]
+        last = {"last_loss": (n1 * m1 - n0 * m0) / (n1 - n0), "last_loss_steps": n1 - n0}
     return {
         "steps": steps,
         "seconds": times["end"] - times["start"],
@@ -185,6 +202,7 @@ def timed_fit(model, data, steps: int, warmup: int, devices=("GPU:0",)) -> dict:
         "peak_gib": {d: gib(d, "peak") for d in devices},
         # wall-clock (Unix) seconds of the timed steps: whether processes run side by side overlapped there
         "timed_window": [times["start_epoch_s"], times["end_epoch_s"]],
+        **last,
     }
 
 

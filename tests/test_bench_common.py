@@ -2,6 +2,8 @@
 
 import sys
 
+import pytest
+
 from benchmarks.common import run_child, without_options
 
 
@@ -88,7 +90,6 @@ def test_run_children_hands_the_results_so_far_to_each_after_every_child(tmp_pat
 def test_capacity_combines_runs_of_one_shape_and_refuses_another_shape(tmp_path):
     import json
 
-    import pytest
 
     from benchmarks.optimizers.capacity import combine
 
@@ -134,6 +135,29 @@ def test_timed_fit_says_on_stderr_when_warm_up_and_timed_steps_end(capfd):
     resident = timed["resident_gib"]["CPU:0"]
     assert resident is not None and resident * 2**30 >= held.shape[0] * 4  # what was allocated before it
     assert f"in use before it: CPU:0 {resident:.2f} GiB" in lines[0]
+
+
+@pytest.mark.parametrize("per_execution", [1, 2])
+def test_timed_fit_reads_the_last_executions_loss_beside_keras_mean(per_execution):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks.common import timed_fit
+
+    # a learning rate of 0: the weights stay, so each batch's loss is known beforehand
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, kernel_initializer="ones")])
+    model.compile(keras.optimizers.SGD(0.0), "mse", steps_per_execution=per_execution)
+    x = np.ones((6, 2, 3), "float32")
+    y = np.repeat(np.arange(6, dtype="float32"), 2).reshape(6, 2, 1)  # batch i's loss: (3 - i)^2
+    timed = timed_fit(model, tf.data.Dataset.from_tensor_slices((x, y)).repeat(), steps=4, warmup=2,
+                      devices=["CPU:0"], last_loss=True)
+    losses = [(3.0 - i) ** 2 for i in range(4)]  # each fit iterates the data from its start
+    assert timed["loss"] == pytest.approx(np.mean(losses))  # Keras's: the mean over the timed steps
+    assert timed["last_loss_steps"] == per_execution
+    assert timed["last_loss"] == pytest.approx(np.mean(losses[-per_execution:]), abs=1e-5)
+    assert "last_loss" not in timed_fit(model, tf.data.Dataset.from_tensor_slices((x, y)).repeat(), steps=2,
+                                        warmup=2, devices=["CPU:0"])
 
 
 def test_capacity_records_a_timed_out_run_as_such_with_how_far_it_got():

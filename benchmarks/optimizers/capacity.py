@@ -138,14 +138,16 @@ def child(name, depth, args):
     parameters = int(model.count_params())
     trainable = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     started = time.perf_counter()
-    timed = timed_fit(model, tf.data.Dataset.from_tensors((x, y)).repeat(), args.steps, args.warmup, [args.device])
+    timed = timed_fit(model, tf.data.Dataset.from_tensors((x, y)).repeat(), args.steps, args.warmup, [args.device],
+                      last_loss=True)
     tokens_per_s = args.batch * args.sequence * timed["steps"] / timed["seconds"]
     flops = 6 * parameters + 12 * depth * args.hidden * args.sequence
     child_result({"label": CONFIGS[name], "parameters": parameters, "trainable_parameters": trainable,
                   "weights_dtype": model.trainable_variables[0].dtype, "trained": True,
                   "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / (args.peak_tflops * 1e12),
                   "peak_gib": timed["peak_gib"][args.device], "resident_gib": timed["resident_gib"][args.device],
-                  "final_loss": timed["loss"],
+                  "final_loss": timed["loss"], "last_loss": timed["last_loss"],
+                  "last_loss_steps": timed["last_loss_steps"],
                   "timed_steps": timed["steps"], "timed_window": timed["timed_window"],
                   "warmup_steps": timed["warmup_steps"], "warmup_s": timed["warmup_seconds"],
                   "wall_s_with_compile": time.perf_counter() - started,
