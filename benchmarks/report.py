@@ -202,7 +202,8 @@ def offload() -> str:
     lines = ["Llama-shaped KerasHub models, sequence 2048, every weight trainable, `AdamW8bit`, a `Checkpoint` on",
              "every block, the GPU capped at 24 GiB; each row's command is in its result file.", "",
              "| parameters (depth, hidden, vocabulary) | recipe | tokens per update | tokens/s | MFU | GPU peak GiB "
-             "| host peak GiB | last loss | measured |", "|---|---|---:|---:|---:|---:|---:|---|---|"]
+             "| host peak GiB | mean loss, timed steps | measured |", "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    twins = []
     for name in OFFLOAD:
         result = load(name)
         for report in _reports(result):
@@ -215,7 +216,41 @@ def offload() -> str:
                          f"{report['commit'][:7]}, `{name}`")
                 cells = [model, _recipe(run["config"], s), f"{tokens:,}", *_outcome(run), where]
                 lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join([BEGIN, *lines, END]) + "\n"
+            twins += _twins(report, name)
+    return "\n".join([BEGIN, *lines, *(["", *twins] if twins else []), END]) + "\n"
+
+
+# torch.testing.assert_close's defaults for bfloat16: |actual - expected| <= atol + rtol * |expected|
+BF16_RTOL, BF16_ATOL = 0.016, 1e-5
+
+
+def _twins(report: dict, name: str) -> list[str]:
+    """A sentence per depth at which a report holds a host-offloaded run and its on-device twin, both
+    trained: their losses, and whether the host's is within bfloat16's tolerance of the device's."""
+    trained = {(r["config"], r["depth"]): r for r in report["runs"] if r.get("trained")}
+    lines = []
+    for (config, depth), device in trained.items():
+        host = trained.get(("kvram_offload", depth))
+        if config != "kvram_gpu" or host is None:
+            continue
+        last = "last_loss" in device and "last_loss" in host
+        key = "last_loss" if last else "final_loss"
+        a, b = device[key], host[key]
+        within = abs(b - a) <= BF16_ATOL + BF16_RTOL * abs(a)
+        per = device.get("batches_per_update", 1)
+
+        def steps(n, timed=""):
+            return f"{n}{timed} batches ({n // per} updates" if per > 1 else f"{n}{timed} steps ("
+
+        what = (f"the loss of the last of {steps(device['warmup_steps'] + device['timed_steps'])}"
+                f"{'; ' if per > 1 else ''}warm-up included)" if last else
+                f"the mean loss over the {steps(device['timed_steps'], ' timed')}"
+                f"{'; ' if per > 1 else ''}the last one's alone was not recorded)")
+        lines.append(f"In `{name}`, the host-offloaded run at depth {depth} and its on-device twin: {what} is "
+                     f"{b:.4f} and {a:.4f}, {abs(b - a) / abs(a):.1%} apart: "
+                     f"{'within' if within else 'outside'} bfloat16's tolerance (`torch.testing.assert_close`'s "
+                     f"for bfloat16: {BF16_ATOL:g} + {BF16_RTOL:g} x |on-device loss|).")
+    return lines
 
 
 def _rendered(text: str, part: str) -> str:

@@ -53,3 +53,24 @@ def test_every_result_file_the_readme_and_docs_cite_exists():
     assert cited, "the pages cite no result"
     missing = sorted(n for n in cited if not os.path.exists(os.path.join(report.RESULTS, n)))
     assert missing == []
+
+
+def test_a_host_offloaded_run_and_its_twin_are_compared_at_bfloat16s_tolerance():
+    from benchmarks.report import _twins
+
+    def run(config, loss, **more):
+        return {"config": config, "depth": 2, "trained": True, "last_loss": loss, "final_loss": 9.0,
+                "warmup_steps": 1, "timed_steps": 200, **more}
+
+    def sentence(host, device=1.0, **more):
+        return _twins({"runs": [run("kvram_gpu", device, **more), run("kvram_offload", host)]}, "r.json")
+
+    # torch.testing.assert_close's bfloat16 bar: 1e-5 + 0.016 x 1.0 apart at the most
+    assert "the loss of the last of 201 steps" in sentence(1.0159)[0] and "within" in sentence(1.0159)[0]
+    assert "outside" in sentence(1.0161)[0] and "1.6% apart" in sentence(1.0161)[0]
+    assert "(25 updates;" in sentence(1.0, batches_per_update=8)[0]
+    without_last = {"runs": [{**run("kvram_gpu", 0), "final_loss": 1.0}, {**run("kvram_offload", 0), "final_loss": 1.2}]}
+    for r in without_last["runs"]:
+        del r["last_loss"]
+    assert "mean loss over the 200 timed steps" in _twins(without_last, "r.json")[0]
+    assert _twins({"runs": [run("kvram_gpu", 1.0), run("kvram_offload", 1.0, trained=False)]}, "r.json") == []
