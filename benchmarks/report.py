@@ -237,15 +237,14 @@ def _twins(report: dict, name: str) -> list[str]:
         key = "last_loss" if last else "final_loss"
         a, b = device[key], host[key]
         within = abs(b - a) <= BF16_ATOL + BF16_RTOL * abs(a)
-        per = device.get("batches_per_update", 1)
-
-        def steps(n, timed=""):
-            return f"{n}{timed} batches ({n // per} updates" if per > 1 else f"{n}{timed} steps ("
-
-        what = (f"the loss of the last of {steps(device['warmup_steps'] + device['timed_steps'])}"
-                f"{'; ' if per > 1 else ''}warm-up included)" if last else
-                f"the mean loss over the {steps(device['timed_steps'], ' timed')}"
-                f"{'; ' if per > 1 else ''}the last one's alone was not recorded)")
+        per, each = device.get("batches_per_update", 1), device.get("last_loss_steps", 1)
+        n = device["warmup_steps"] + device["timed_steps"] if last else device["timed_steps"]
+        unit = "batches" if per > 1 else "steps"
+        notes = [f"{n // per} updates"] if per > 1 else []
+        notes.append("warm-up included" if last else "the last one's alone was not recorded")
+        what = ((f"the loss of the last of {n} {unit}" if each == 1 else
+                 f"the mean loss of the last {each} of {n} {unit}") if last else
+                f"the mean loss over the {n} timed {unit}") + f" ({'; '.join(notes)})"
         lines.append(f"In `{name}`, the host-offloaded run at depth {depth} and its on-device twin: {what} is "
                      f"{b:.4f} and {a:.4f}, {abs(b - a) / abs(a):.1%} apart: "
                      f"{'within' if within else 'outside'} bfloat16's tolerance (`torch.testing.assert_close`'s "

@@ -68,7 +68,8 @@ def test_a_host_offloaded_run_and_its_twin_are_compared_at_bfloat16s_tolerance()
     # torch.testing.assert_close's bfloat16 bar: 1e-5 + 0.016 x 1.0 apart at the most
     assert "the loss of the last of 201 steps" in sentence(1.0159)[0] and "within" in sentence(1.0159)[0]
     assert "outside" in sentence(1.0161)[0] and "1.6% apart" in sentence(1.0161)[0]
-    assert "(25 updates;" in sentence(1.0, batches_per_update=8)[0]
+    assert "last of 201 batches (25 updates; warm-up included)" in sentence(1.0, batches_per_update=8)[0]
+    assert "the mean loss of the last 4 of 201 steps" in sentence(1.0, last_loss_steps=4)[0]
     without_last = {"runs": [{**run("kvram_gpu", 0), "final_loss": 1.0}, {**run("kvram_offload", 0), "final_loss": 1.2}]}
     for r in without_last["runs"]:
         del r["last_loss"]
