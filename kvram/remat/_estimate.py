@@ -227,19 +227,21 @@ class Estimate:
                         if rate else "; the host update's time is not predicted")
                 host = ""
                 if "host_need" in st:
-                    need, free = st["host_need"], st.get("host_available")
+                    need, free, pinned = st["host_need"], st.get("host_available"), st.get("host_pinned_limit")
                     grouped = st.get("host_need_groups", need)
+                    least_need = min(need, grouped)
                     host = (f"; the host needs {_size(need)} for it (HostOffload's defaults: the masters, the state, "
-                            "a step's gradient copies, the update's working copies)" + (
-                                f", {_size(grouped)} with HostOffload(groups=k), k >= 2 (the update then works on "
-                                "one weight at a time)" if grouped < need else "") + (
-                                "" if free is None else f", and has {_size(free)} free" + (
-                                    ": too little, HostOffload would refuse it" if min(need, grouped) > free
-                                    else "")))
-                    pinned = st.get("host_pinned_limit")
-                    if pinned is not None and min(need, grouped) > pinned:
+                            "a step's gradient copies, the update's working copies)")
+                    if grouped < need:
+                        host += (f", {_size(grouped)} with HostOffload(groups=k), k >= 2 (the update then works on "
+                                 "one weight at a time)")
+                    if free is not None:
+                        host += f", and has {_size(free)} free"
+                        if least_need > free:
+                            host += ": too little, HostOffload would refuse it"
+                    if pinned is not None and least_need > pinned:
                         host += (f"; host memory is pinned here, and TensorFlow's pinned allocator holds at most "
-                                 f"{_size(pinned)}: set {_host.pinned_setting(min(need, grouped))} before TensorFlow starts")
+                                 f"{_size(pinned)}: set {_host.pinned_setting(least_need)} before TensorFlow starts")
                 lines.append(f"{precision} with kvram.Model(host_offload=True): the optimizer state "
                              f"({_size(st['optimizer'])}) moves to host memory, beside "
                              f"{_size(st['masters'])} of float32 master weights; the least-memory row would take "
