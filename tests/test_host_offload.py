@@ -546,6 +546,39 @@ def test_runs_of_weights_updated_one_by_one_equal_one_update(inner):
     assert runs.optimizer.get_config()["groups"] == 3
 
 
+def test_weights_of_one_shape_share_one_compiled_update_and_each_keeps_its_own_state():
+    """HostOffload(AdamW8bit, groups=4): the per-weight updates of weights of one shape, dtype and decay
+    are one XLA computation, traced once, the weight and its state its arguments: four 16x16 kernels
+    (8-bit moments, decayed) and four biases (float32 moments, not decayed) make two. Weights and state
+    equal one update of them all (groups=1, 1e-6) after 3 epochs, per-weight clipping included."""
+    x = np.random.default_rng(0).normal(size=(64, 16)).astype("float32")
+    models = []
+    for groups in (1, 4):
+        keras.utils.set_random_seed(0)
+        with tf.device(DEVICE):
+            inputs = keras.Input((16,))
+            hidden = inputs
+            for _ in range(4):
+                hidden = keras.layers.Dense(16, activation="tanh")(hidden)
+            model = kvram.Model(inputs, hidden, skip_nonfinite=False)
+            optimizer = _inner("adamw8bit")
+            optimizer.exclude_from_weight_decay(var_names=["bias"])
+            optimizer.clipnorm = 1.0
+            model.compile(HostOffload(optimizer, groups=groups), "mse")
+            model.fit(x, np.sin(x), batch_size=16, epochs=3, shuffle=False, verbose=0)
+        models.append(model)
+    one, runs = models
+    shared = {key: f for key, f in runs.optimizer._updates.items() if key[0] == "shared"}
+    assert len(runs.optimizer._updates) == len(shared) == 2, list(runs.optimizer._updates)
+    assert [f.experimental_get_tracing_count() for f in shared.values()] == [1, 1]
+    for a, b in zip(one.get_weights(), runs.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    for a, b in zip(one.optimizer.variables, runs.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+    kernels = [w for w in runs.get_weights() if w.ndim == 2]
+    assert min(np.abs(a - b).max() for a, b in zip(kernels, kernels[1:])) > 1e-2  # four weights, not one
+
+
 @pytest.mark.parametrize("inner, groups", [("adamw", 1), ("adamw8bit", 3)])
 def test_an_update_on_the_device_equals_the_hosts_and_leaves_the_state_on_the_host(inner, groups):
     """HostOffload(update_device=...): the update's arithmetic on the model's device, reading and

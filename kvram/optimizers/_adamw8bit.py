@@ -175,6 +175,22 @@ class AdamW8bit(keras.optimizers.AdamW):
                                   for kind, shape in zip(("rows", "columns"), _factors(variable.shape))),)
             self._moments.append(moments)
 
+    def shared_update(self, variable):
+        """`(key, own)` for `variable`, or None. `own`: the variables of this optimizer that belong to
+        `variable` alone (its moments: codes and scales where 8-bit; its Kahan buffer). `key`: what
+        else decides its update (shape, dtypes, 8-bit, factored, weight decay). One traced update
+        serves every weight of one `key` where weight and `own` are its arguments (`HostOffload`'s
+        per-weight updates, `groups >= 2`): the lookups in `update_step` resolve to them. None where
+        the update bakes in more of the weight (its index seeds the stochastic rounding of bfloat16
+        weights) or it has no moments (`overwrite_with_gradient`)."""
+        index = self._get_variable_index(variable)
+        if self._rounded(variable) or self._moments[index] is None:
+            return None
+        own = tf.nest.flatten(self._moments[index]) + [c for c in self._compensations[index:index + 1] if c is not None]
+        key = (tuple(variable.shape), variable.dtype, self._quantized(variable), self._factored(variable),
+               bool(self.weight_decay is not None and self._use_weight_decay(variable)))
+        return key, own
+
     def _rounded(self, variable) -> bool:
         """Whether `variable`'s updates are rounded as `rounding` says (here, not by Keras)."""
         return variable.dtype == "bfloat16" and self.rounding != "nearest"
