@@ -358,7 +358,7 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         """`gradient -> [weight]` for one weight (`groups >= 2`). One XLA computation on the host for every
         weight of one shape and dtype where the inner optimizer says which of its variables belong to
         each (`shared_update`, kvram's AdamW8bit): traced and compiled once, with the weight and those
-        variables as its arguments, not once a weight (Llama-3-8B's shape: 291 weights, 9 shapes);
+        variables as its arguments, not once a weight (Llama-3-8B's shape: 291 weights of 8 shapes);
         otherwise the weight's own (`_host_update`)."""
         shared = getattr(self.inner_optimizer, "shared_update", None)
         found = shared(master) if shared is not None and self.jit_compile and self.update_device is None else None
