@@ -119,7 +119,8 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
     With `groups=k`, the weights (in the model's order) are cut into k runs of about equal size,
     each updated once its gradients are on the host and the run before it is updated, the last run
     first, one weight after another (each weight's update its own computation, so that the update
-    works in one weight's float32 copies at a time, not a run's): the gradients of a model's last
+    works in one weight's float32 copies at a time, not a run's; with kvram's `AdamW8bit` one
+    computation, compiled once, serves the weights of one shape): the gradients of a model's last
     blocks are made first, so the host can update them, and copy their weights back, while the
     device computes the first blocks' gradients (not under a guard that skips non-finite steps,
     `kvram.Model(skip_nonfinite=True)`, or a `LossScaleOptimizer`: they wait for every gradient
