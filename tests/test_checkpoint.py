@@ -581,6 +581,45 @@ def test_blocks_alike_share_their_compiled_passes_and_each_gets_its_own_gradient
     assert [sum(part in name for name in compiled) for part in ("forward_pass", "backward_slices")] == [4, 4], compiled
 
 
+@pytest.mark.slow  # XLA compiles
+def test_blocks_alike_with_dropout_draw_each_its_own_numbers_when_they_share_their_passes(monkeypatch):
+    """Blocks alike with Dropout share their compiled passes within `compiled_blocks()`; each still
+    draws from its own seed generator's state: outputs, gradients and the states after the step
+    equal those of the same blocks compiled one by one (sharing off), bit for bit."""
+    from kvram.layers import _compiling
+
+    keras.utils.set_random_seed(0)
+    blocks = [Checkpoint(keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dropout(0.3),
+                                           keras.layers.Dense(8)]), row_chunks=2) for _ in range(3)]
+    x = tf.constant(np.random.default_rng(0).normal(size=(16, 8)).astype("float32"))
+    for b in blocks:
+        b(x)
+    variables = [v for b in blocks for v in b.trainable_variables]
+    states = [v for b in blocks for v in b.non_trainable_variables]
+    start = [v.numpy() for v in states]
+
+    def run():
+        for v, value in zip(states, start):
+            v.assign(value)
+
+        @tf.function(autograph=False)
+        def step():
+            with _compiling.compiled_blocks(), tf.GradientTape() as tape:
+                h = x
+                for b in blocks:
+                    h = b(h, training=True)
+                return [h] + tape.gradient(tf.reduce_sum(tf.square(h)), variables)
+
+        return [t.numpy() for t in step()] + [v.numpy() for v in states]
+
+    shared = run()
+    monkeypatch.setattr(_compiling, "share_key", lambda *args: None)
+    alone = run()
+    assert len(states) == 3 and any((a != b).any() for a, b in zip(shared[-3:], start))  # they drew
+    for a, b in zip(alone, shared):
+        np.testing.assert_array_equal(b, a)
+
+
 def test_row_chunks_of_rows_known_and_a_length_unknown_when_traced():
     """Rows known, another axis not (sequences of any length): the loop's slices take every value of
     that axis, and the block's outputs and gradients are the slice-by-slice calls'."""
