@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import types
 
 import keras
 import numpy as np
@@ -53,7 +54,8 @@ def share_key(layer, inputs, call, *settings):
     that are plain values, functions, dtype policies or arrays; a layer's name as its place in the
     block), its variables' shapes and dtypes, the inputs' shapes and dtypes, what else its call is
     given (`call`: args and kwargs, tensors aside) and `settings`; None where these cannot be told
-    apart (a value whose text names an object). What else a trace reaches (a tensor made outside it)
+    apart (a value whose text names an object, a function closing over one, a layer from outside
+    Keras, KerasHub and kvram without a config). What else a trace reaches (a tensor made outside it)
     `compiled` finds as it is traced."""
     layers = list(layer._flatten_layers(include_self=True, recursive=True))
     places = {sub.name: f"#{i}" for i, sub in enumerate(layers)}
@@ -68,6 +70,12 @@ def share_key(layer, inputs, call, *settings):
             values = {str(k): plain(v) for k, v in value.items()} if isinstance(value, dict) else [
                 plain(v) for v in value]
             return _OTHER if any(v is _OTHER for v in (values.values() if isinstance(value, dict) else values)) else values
+        if isinstance(value, types.FunctionType):  # its code, and what it closes over, in the key
+            code, cells = value.__code__, [c.cell_contents for c in value.__closure__ or ()]
+            parts = [plain(value.__defaults__ or ()), plain(cells)]
+            if any(part is _OTHER for part in parts):
+                raise ValueError(f"{value!r} closes over an object")
+            return [_qualified(value), hash((code.co_code, code.co_consts)), *parts]
         if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__") and not hasattr(value, "__self__"):
             return _qualified(value)
         if isinstance(value, keras.DTypePolicy):
@@ -82,8 +90,12 @@ def share_key(layer, inputs, call, *settings):
             try:
                 config = plain({k: v for k, v in sub.get_config().items() if k != "name"})
             except (AttributeError, NotImplementedError, TypeError):  # KerasHub's Llama decoder: AttributeError
+                if type(sub).__module__.split(".")[0] not in ("keras", "keras_hub", "kvram"):
+                    return None  # a layer of its own whose config Keras cannot give: what makes it is not known
                 config = None
-            attributes = sorted((k, plain(v)) for k, v in vars(sub).items() if k not in _NAMES)
+            # not a method of its class Keras wrapped in place (build, quantize): the class says it
+            attributes = sorted((k, plain(v)) for k, v in vars(sub).items()
+                                if k not in _NAMES and not (callable(v) and hasattr(type(sub), k)))
             parts.append([_qualified(type(sub)), config, [(k, v) for k, v in attributes if v is not _OTHER]])
         text = json.dumps(parts, sort_keys=True, default=lambda value: _no_object(repr(value)))
         variables = block_variables(layer)
