@@ -342,18 +342,23 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
                     return [tf.cast(m, dtype) for m, dtype in zip(masters, dtypes)]
             else:
                 def function(grads):
-                    # Keras's Optimizer.apply for these weights, but for the step count
-                    learning_rate = inner._get_current_learning_rate()
-                    grads = inner._clip_gradients([_float32(g) for g in grads])
-                    inner._apply_weight_decay(masters)
-                    for gradient, master in zip(grads, masters):
-                        inner.update_step(gradient, master, learning_rate)
-                    return [tf.cast(m, dtype) for m, dtype in zip(masters, dtypes)]
+                    return self._run_update(grads, masters, dtypes)
 
             if self.jit_compile and self.update_device is None:
                 function = tf.function(function, jit_compile=True, autograph=False)
             self._updates[key] = function
         return function
+
+    def _run_update(self, grads, masters, dtypes) -> list:
+        """Keras's `Optimizer.apply` for a run of `masters` (`groups`), but for the step count; each
+        master cast to its weight's dtype."""
+        inner = self.inner_optimizer
+        learning_rate = inner._get_current_learning_rate()
+        grads = inner._clip_gradients([_float32(g) for g in grads])
+        inner._apply_weight_decay(masters)
+        for gradient, master in zip(grads, masters):
+            inner.update_step(gradient, master, learning_rate)
+        return [tf.cast(m, dtype) for m, dtype in zip(masters, dtypes)]
 
     def _weight_update(self, master, dtype):
         """`gradient -> [weight]` for one weight (`groups >= 2`). One XLA computation on the host for every
@@ -373,16 +378,10 @@ class HostOffload(Wrapper, keras.optimizers.Optimizer):
         self._keras_of.update({id(v._value): v for v in (master, *own)})
         function = self._updates.get(key)
         if function is None:
-            inner = self.inner_optimizer
-
             def update(gradient, value, own_values):
                 del own_values  # reached through the inner optimizer's lookups, as arguments
-                master = self._keras_of[id(value)]  # the first call's, as it is traced
-                learning_rate = inner._get_current_learning_rate()
-                gradient, = inner._clip_gradients([_float32(gradient)])
-                inner._apply_weight_decay([master])
-                inner.update_step(gradient, master, learning_rate)
-                return [tf.cast(master, dtype)]
+                # the Keras master of the call being traced
+                return self._run_update([gradient], [self._keras_of[id(value)]], (dtype,))
 
             function = self._updates[key] = tf.function(update, jit_compile=True, autograph=False)
         return lambda gradient: function(gradient, master._value, [v._value for v in own])
