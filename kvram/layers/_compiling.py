@@ -48,15 +48,15 @@ class _Record:
         self.functions = {}
 
 
-def share_key(layer, inputs, call, *settings):
+def share_key(layer, variables, inputs, call, *settings):
     """What makes the compiled passes of two blocks traced within `compiled_blocks()` one: the class of
     each layer in the block and what it was made with (its config where it has one, and its attributes
     that are plain values, functions, dtype policies or arrays; a layer's name as its place in the
-    block), its variables' shapes and dtypes, the inputs' shapes and dtypes, what else its call is
+    block), its `variables`' shapes and dtypes (`block_variables`), the inputs' shapes and dtypes, what else its call is
     given (`call`: args and kwargs, tensors aside) and `settings`; None where these cannot be told
     apart (a value whose text names an object, a function closing over one, a layer from outside
     Keras, KerasHub and kvram without a config). What else a trace reaches (a tensor made outside it)
-    `compiled` finds as it is traced."""
+    `Shared.compiled` finds as it is traced."""
     layers = list(layer._flatten_layers(include_self=True, recursive=True))
     places = {sub.name: f"#{i}" for i, sub in enumerate(layers)}
 
@@ -98,10 +98,7 @@ def share_key(layer, inputs, call, *settings):
                                 if k not in _NAMES and not (callable(v) and hasattr(type(sub), k)))
             parts.append([_qualified(type(sub)), config, [(k, v) for k, v in attributes if v is not _OTHER]])
         text = json.dumps(parts, sort_keys=True, default=lambda value: _no_object(repr(value)))
-        variables = block_variables(layer)
     except ValueError:
-        return None
-    if variables is None:
         return None
     return (text, tuple((tuple(v.shape), str(v.dtype), v.trainable) for v in variables),
             tuple((tuple(t.shape), t.dtype.name) for t in inputs), settings)
@@ -140,8 +137,9 @@ def block_variables(layer) -> list | None:
 
 def sharing(layer, inputs, call, *settings):
     """A `Shared` for a block traced within `compiled_blocks()` (`share_key`), or None."""
-    key = share_key(layer, inputs, call, *settings)
-    return None if key is None else Shared(key, block_variables(layer), _compiling.record.functions)
+    variables = block_variables(layer)
+    key = None if variables is None else share_key(layer, variables, inputs, call, *settings)
+    return None if key is None else Shared(key, variables, _compiling.record.functions)
 
 
 class Shared:
@@ -154,25 +152,25 @@ class Shared:
     def compiled(self, python_function, *part):
         """`python_function`, compiled with XLA by the first block of this key (for this `part` of the
         step), traced once. As arguments, its variables are what the trace reaches through the first
-        block's layer, in every call. A trace that captured anything instead (a variable the layer
-        reaches that is not its own, as Keras's global seed generator, or a tensor made outside it) is
-        not shared: each later block of that key compiles its own."""
+        block's layer, in every call. Each call is checked as it is traced (once the step is traced,
+        nothing is): a trace that captured anything instead (a variable the layer reaches that is not
+        its own, as Keras's global seed generator, or a tensor made outside it; the first block's
+        variables, where a later call traced the function again) is not this call's to share, and it
+        and each later block of that key compile their own."""
         key, functions = (self.key, *part), self.functions
         fresh = tf.function(python_function, jit_compile=True, autograph=False)
         if functions.get(key, fresh) is None:
             return fresh
-        if key in functions:
-            return functions[key]
-        functions[key] = fresh
+        shared = functions.setdefault(key, fresh)
         functions.setdefault((self.key, "owner"), self.own)  # the forward pass's: its first
 
-        def first(*args):
-            result = fresh(*args)
-            if fresh.get_concrete_function(*args).captured_inputs:
+        def checked(*args):
+            if shared.get_concrete_function(*args).captured_inputs:
                 functions[key] = None
-            return result
+                return fresh(*args)
+            return shared(*args)
 
-        return first
+        return checked
 
     def variables(self, given) -> list:
         """The variables a block's gradient is asked for (`given`, by `tf.custom_gradient`) that it
