@@ -199,8 +199,15 @@ class Checkpoint(keras.layers.Layer):
 
         inputs = [flat_args[i] for i in tensor_positions]
         updates = _in_backward.current()  # kvram.Model(update_in_backward=True)'s step
-        # one slice too where block inputs stay on the host (HostOffload(block_inputs="host"))
-        if self.row_chunks is not None and (self.row_chunks > 1 or _compiling.block_inputs_host()):
+        compiling = _compiling.compiling_blocks()
+        rows = inputs[0].shape[0] if inputs and inputs[0].shape.rank else None
+        same_rows = rows is not None and all(t.shape.rank and t.shape[0] == rows for t in inputs)
+        # one slice too where block inputs stay on the host (HostOffload(block_inputs="host")), and for
+        # any block compiled by itself that could be sliced (its rows known, no update in its backward
+        # pass, policy "full"): blocks alike then share one compiled forward and backward pass
+        whole = self.row_chunks is None and compiling and same_rows and self.policy == "full" and updates is None
+        if whole or self.row_chunks is not None and (self.row_chunks > 1 or _compiling.block_inputs_host()):
+            chunks = 1 if whole else self.row_chunks
             if updates is not None and not tf.executing_eagerly():
                 raise ValueError("row_chunks sums a block's weight gradients over its slices before they leave "
                                  "the block, so it cannot hand each to update_in_backward's update. Allowed: "
@@ -211,13 +218,13 @@ class Checkpoint(keras.layers.Layer):
                     f"row_chunks slices every input of the block along its rows, so each must have the same first "
                     f"dimension. Received inputs of shapes {[tuple(t.shape) for t in inputs]} for "
                     f"row_chunks={self.row_chunks}.")
-            compiling, known = _compiling.compiling_blocks(), inputs[0].shape[0] is not None
+            known = inputs[0].shape[0] is not None
             host = _compiling.block_inputs_host() if compiling and known else None
             # rows known: each pass over the slices one XLA computation, shared by the blocks alike
             # (share_key); unknown: the block, its slices and their sums one XLA computation
-            share = compiling and known and _compiling.sharing(self.layer, inputs, (args, kwargs), self.row_chunks,
+            share = compiling and known and _compiling.sharing(self.layer, inputs, (args, kwargs), chunks,
                                                                host, tuple(tensor_positions)) or None
-            chunked = row_chunked(forward, self.row_chunks, n_in, state, compiled=compiling and known,
+            chunked = row_chunked(forward, chunks, n_in, state, compiled=compiling and known,
                                    inputs_host=host, share=share)
             if compiling and not known:
                 chunked = tf.function(chunked, jit_compile=True, autograph=False)
@@ -225,7 +232,7 @@ class Checkpoint(keras.layers.Layer):
             if share:  # the block of this key traced first made the passes: as it carried logits out
                 share.carried(carries_logits)
         else:
-            if _compiling.compiling_blocks():
+            if compiling:
                 forward = tf.function(forward, jit_compile=True, autograph=False)
             if updates is not None and not tf.executing_eagerly():
                 updates.read_by_block(self.layer)
