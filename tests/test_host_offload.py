@@ -343,6 +343,36 @@ def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does
 
 
 @pytest.mark.slow  # XLA compiles per block
+def test_blocks_alike_with_batch_normalization_share_their_passes_and_each_keeps_its_own_statistics():
+    """Three alike Checkpoint blocks with BatchNormalization under host_offload with XLA: they share one
+    compiled backward pass, and each block's moving statistics, like its weights, are those the whole
+    step on the device gives it (1e-5)."""
+    def model(**kvram_args):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((12,))
+        # no bias before a normalization: its gradient is rounding noise, which Adam scales up
+        hidden = keras.layers.Dense(32, use_bias=False)(inputs)
+        for _ in range(3):
+            hidden = kvram.layers.Checkpoint(keras.Sequential([
+                keras.layers.Dense(32, use_bias=False), keras.layers.BatchNormalization(), keras.layers.ReLU()]))(hidden)
+        return kvram.Model(inputs, keras.layers.Dense(3)(hidden), **kvram_args)
+
+    x, y = _data()
+    with tf.device(DEVICE):
+        whole, blocks = model(), model(host_offload=True)
+        for m in (whole, blocks):
+            m.compile(_adamw(), "mse", jit_compile=True)
+            m.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        graph = tf.function(blocks.train_step).get_concrete_function((tf.constant(x[:16]), tf.constant(y[:16]))).graph
+    statistics = [v for v in blocks.non_trainable_variables if "moving" in v.path]
+    assert len(statistics) == 6 and len({float(np.sum(v.numpy())) for v in statistics}) == 6, statistics
+    for a, b in zip(whole.variables, blocks.variables):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=b.path)
+    compiled = [f.signature.name for f in graph.as_graph_def().library.function if f.attr["_XlaMustCompile"].b]
+    assert sum("backward" in name for name in compiled) == 1, compiled
+
+
+@pytest.mark.slow  # XLA compiles per block
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
 def test_row_chunked_blocks_make_each_gradient_once_a_step_and_train_as_the_whole_batch(request):
     """Under host_offload with XLA, Checkpoint(row_chunks=4) blocks run each 16-row batch in slices
