@@ -445,6 +445,19 @@ def test_a_host_without_room_for_the_block_inputs_a_step_keeps_is_refused_as_it_
 
 
 @pytest.mark.slow  # XLA compiles per block
+def test_blocks_without_row_chunks_keep_their_inputs_on_the_device_and_block_inputs_host_is_refused():
+    """Checkpoint blocks without row_chunks share their compiled passes as one slice (cea046f), but
+    block_inputs="host" is for row-chunked blocks only: a step of such blocks keeps none there and is
+    refused, as documented."""
+    x, y = _data()
+    with tf.device(DEVICE):
+        model = _blocks_model(dropout=0.0, host_offload=True)
+        model.compile(HostOffload(_adamw(), block_inputs="host"), "mse", jit_compile=True)
+        with pytest.raises(ValueError, match=r"this step kept none"):
+            model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+
+@pytest.mark.slow  # XLA compiles per block
 @pytest.mark.own_process  # run ahead, beside the suite (tests/helpers.py)
 @pytest.mark.parametrize("row_chunks", [1, 4])
 def test_row_chunked_blocks_keep_their_inputs_on_the_host_between_their_passes(row_chunks, request):

@@ -219,7 +219,8 @@ class Checkpoint(keras.layers.Layer):
                     f"dimension. Received inputs of shapes {[tuple(t.shape) for t in inputs]} for "
                     f"row_chunks={self.row_chunks}.")
             known = inputs[0].shape[0] is not None
-            host = _compiling.block_inputs_host() if compiling and known else None
+            # inputs on the host for row-chunked blocks only (HostOffload's block_inputs)
+            host = _compiling.block_inputs_host() if compiling and known and not whole else None
             # rows known: each pass over the slices one XLA computation, shared by the blocks alike
             # (share_key); unknown: the block, its slices and their sums one XLA computation
             share = compiling and known and _compiling.sharing(self.layer, inputs, (args, kwargs), chunks,
