@@ -218,7 +218,7 @@ class Checkpoint(keras.layers.Layer):
                     f"row_chunks slices every input of the block along its rows, so each must have the same first "
                     f"dimension. Received inputs of shapes {[tuple(t.shape) for t in inputs]} for "
                     f"row_chunks={self.row_chunks}.")
-            known = inputs[0].shape[0] is not None
+            known = rows is not None
             # inputs on the host for row-chunked blocks only (HostOffload's block_inputs)
             host = _compiling.block_inputs_host() if compiling and known and not whole else None
             # rows known: each pass over the slices one XLA computation, shared by the blocks alike
