@@ -297,6 +297,15 @@ def test_the_guard_and_the_update_read_host_copies_of_the_gradients():
     assert calls and all(tf.DeviceSpec.from_string(device).device_index == 0 for device in calls), calls
 
 
+def _backward_passes(graph):
+    """(the names of the XLA computations in the traced step `graph` that are a block's backward pass,
+    the names of those its calls run: one a call)."""
+    compiled = [f.signature.name for f in graph.as_graph_def().library.function if f.attr["_XlaMustCompile"].b]
+    calls = [op.get_attr("f").name for op in graph.get_operations()
+             if op.type in ("PartitionedCall", "StatefulPartitionedCall") and "backward" in op.get_attr("f").name]
+    return [name for name in compiled if "backward" in name], calls
+
+
 def _blocks_model(policy="full", dropout=0.1, row_chunks=None, **kvram_args):
     keras.utils.set_random_seed(0)
     with tf.device(DEVICE):
@@ -332,14 +341,11 @@ def test_checkpointed_blocks_compile_one_by_one_and_train_as_the_whole_step_does
     # XLA whole against XLA block by block: measured 1.7e-6 apart
     for a, b in zip(whole.get_weights(), blocks.get_weights()):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
-    compiled = [f.signature.name for f in graph.as_graph_def().library.function if f.attr["_XlaMustCompile"].b]
-    backward = [name for name in compiled if "backward" in name]
+    backward, calls = _backward_passes(graph)
     if policy == "full":  # shared by the blocks alike, called once for each
-        calls = [op.get_attr("f").name for op in graph.get_operations()
-                 if op.type in ("PartitionedCall", "StatefulPartitionedCall") and "backward" in op.get_attr("f").name]
-        assert len(backward) == 1 and len(calls) == 3, (compiled, calls)
+        assert len(backward) == 1 and len(calls) == 3, (backward, calls)
     else:
-        assert len(backward) == 3, compiled  # one per block
+        assert len(backward) == 3, backward  # one per block
 
 
 @pytest.mark.slow  # XLA compiles per block
@@ -368,8 +374,8 @@ def test_blocks_alike_with_batch_normalization_share_their_passes_and_each_keeps
     assert len(statistics) == 6 and len({float(np.sum(v.numpy())) for v in statistics}) == 6, statistics
     for a, b in zip(whole.variables, blocks.variables):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=b.path)
-    compiled = [f.signature.name for f in graph.as_graph_def().library.function if f.attr["_XlaMustCompile"].b]
-    assert sum("backward" in name for name in compiled) == 1, compiled
+    backward, _ = _backward_passes(graph)
+    assert len(backward) == 1, backward
 
 
 @pytest.mark.slow  # XLA compiles per block
@@ -394,11 +400,8 @@ def test_row_chunked_blocks_make_each_gradient_once_a_step_and_train_as_the_whol
         graph = tf.function(chunked.train_step).get_concrete_function((tf.constant(x[:16]), tf.constant(y[:16]))).graph
     for a, b in zip(whole.get_weights(), chunked.get_weights()):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
-    library = graph.as_graph_def().library.function
-    compiled = [f.signature.name for f in library if f.attr["_XlaMustCompile"].b]
-    assert sum("backward" in name for name in compiled) == 1, compiled  # one for the three blocks
-    calls = [op.get_attr("f").name for op in graph.get_operations()
-             if op.type in ("PartitionedCall", "StatefulPartitionedCall") and "backward" in op.get_attr("f").name]
+    backward, calls = _backward_passes(graph)
+    assert len(backward) == 1, backward  # one for the three blocks
     assert len(calls) == 3, calls  # one per block
 
 
